@@ -1,0 +1,45 @@
+"""The actor runtime: asyncio actors under Erlang/OTP-style supervisors.
+
+- ``Actor``: subclass it; public async methods are handlers; ``on_start``/``on_stop``/
+  ``on_failure`` hooks; optional ``run()`` main loop; bounded mailbox (backpressure).
+- ``ActorRef``: ``call`` (request/reply with timeout) and ``cast`` (fire-and-forget); when
+  an actor dies every pending call fails with ``ActorDead`` at once.
+- ``Supervisor`` and ``ChildSpec``: strategies, restart types, intensity/period, nested
+  supervisors, gangs, snapshots.
+- Placements: ``InProc`` (a task here) and ``Process`` (its own OS process over NNG, with
+  heartbeats).
+"""
+
+from relax.actors._actor import Actor, ActorContext
+from relax.actors._exit import Exit
+from relax.actors._placement import InProc, Placement, Process
+from relax.actors._ref import DEFAULT_CALL_TIMEOUT, ActorRef
+from relax.actors._spec import (
+    BRUTAL_KILL,
+    DEFAULT_INTENSITY,
+    DEFAULT_PERIOD,
+    DEFAULT_SHUTDOWN,
+    ChildSpec,
+    Restart,
+    Strategy,
+)
+from relax.actors._supervisor import Supervisor
+
+__all__ = [
+    "BRUTAL_KILL",
+    "DEFAULT_CALL_TIMEOUT",
+    "DEFAULT_INTENSITY",
+    "DEFAULT_PERIOD",
+    "DEFAULT_SHUTDOWN",
+    "Actor",
+    "ActorContext",
+    "ActorRef",
+    "ChildSpec",
+    "Exit",
+    "InProc",
+    "Placement",
+    "Process",
+    "Restart",
+    "Strategy",
+    "Supervisor",
+]

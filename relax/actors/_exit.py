@@ -1,0 +1,118 @@
+"""How an actor ended, and exceptions as plain data that can cross a process boundary."""
+
+from __future__ import annotations
+
+import builtins
+import signal
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from relax import errors
+
+ExitKind = Literal[
+    "normal",  # the actor finished on its own (run() returned, or it called stop())
+    "shutdown",  # its supervisor stopped it
+    "exception",  # an exception escaped the actor
+    "exit_code",  # the process exited with a non-zero code and said nothing
+    "signal",  # the process was killed by a signal (SIGKILL includes the kernel's OOM kill)
+    "heartbeat",  # the process stopped sending heartbeats (hung event loop) and was killed
+    "start",  # the actor failed while starting
+    "peer",  # a gang member went down, so this one was stopped with it
+]
+
+
+@dataclass(frozen=True)
+class Exit:
+    """Why an actor incarnation ended; kept by its supervisor as the last crash cause."""
+
+    kind: ExitKind
+    message: str = ""
+    error_type: str | None = None
+    traceback: str | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    member: int | None = None
+    """Gang rank of the member whose end ended the gang, if the child is a gang."""
+    at: float = field(default_factory=time.time)
+
+    @property
+    def normal(self) -> bool:
+        """True when nobody should call this a crash (finished or stopped on purpose)."""
+        return self.kind in ("normal", "shutdown")
+
+    def describe(self) -> str:
+        """One line for a status table."""
+        text = {
+            "normal": "exited normally",
+            "shutdown": "stopped by its supervisor",
+            "exception": f"raised {self.error_type}: {self.message}",
+            "exit_code": f"process exited with code {self.exit_code}",
+            "signal": f"killed by {self.signal}",
+            "heartbeat": f"missed heartbeats: {self.message}",
+            "start": f"failed to start: {self.error_type}: {self.message}",
+            "peer": f"stopped with its gang: {self.message}",
+        }[self.kind]
+        return f"rank {self.member}: {text}" if self.member is not None else text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "description": self.describe()}
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, kind: ExitKind = "exception") -> Exit:
+        data = error_to_dict(exc)
+        return cls(kind, data["message"], data["type"], data["traceback"])
+
+    @classmethod
+    def from_returncode(cls, returncode: int) -> Exit:
+        if returncode < 0:
+            try:
+                name = signal.Signals(-returncode).name
+            except ValueError:
+                name = f"signal {-returncode}"
+            return cls("signal", f"killed by {name}", signal=name, exit_code=returncode)
+        if returncode == 0:
+            return cls("normal")
+        return cls("exit_code", f"exit code {returncode}", exit_code=returncode)
+
+
+def error_to_dict(exc: BaseException) -> dict[str, Any]:
+    """An exception as wire-safe data: type, module, message and formatted traceback."""
+    return {
+        "type": type(exc).__qualname__,
+        "module": type(exc).__module__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    }
+
+
+def error_from_dict(data: dict[str, Any]) -> BaseException:
+    """Rebuild an exception sent by :func:`error_to_dict`.
+
+    Only builtin exception types and Relax's own are rebuilt, by name from a fixed allow-list
+    (never by importing what the peer names); anything else becomes ``RemoteError``. The remote
+    traceback is attached as a note so it shows when the error is printed.
+    """
+    name, module, message = data.get("type"), data.get("module"), str(data.get("message", ""))
+    tb = str(data.get("traceback") or "")
+    cls: Any = None
+    if module == "builtins":
+        cls = getattr(builtins, str(name), None)
+    elif module == "relax.errors":
+        cls = getattr(errors, str(name), None)
+    exc: BaseException
+    if (
+        isinstance(cls, type)
+        and issubclass(cls, Exception)
+        and not issubclass(cls, (errors.ConfigError, errors.RemoteError))
+    ):
+        try:
+            exc = cls(message)
+        except TypeError:  # a constructor that wants more than a message
+            exc = errors.RemoteError(message, remote_type=f"{module}.{name}", remote_traceback=tb)
+    else:
+        exc = errors.RemoteError(message, remote_type=f"{module}.{name}", remote_traceback=tb)
+    if tb and hasattr(exc, "add_note"):
+        exc.add_note(f"Remote traceback:\n{tb}")
+    return exc

@@ -1,0 +1,221 @@
+"""Where a child runs: in the supervisor's process or in OS processes of its own.
+
+A placement turns a ``ChildSpec`` into an ``Incarnation``: the members (one, or a gang of N)
+of one start of that child, which live and die together. Placement is an interface; a Ray
+placement (actors on other machines) can be added without touching any actor's code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from relax.actors._actor import ActorContext
+from relax.actors._build import build_actor, import_path
+from relax.actors._cell import Cell
+from relax.actors._exit import Exit
+from relax.actors._process import ProcessMember, ProcessOptions
+from relax.errors import StartFailed
+
+if TYPE_CHECKING:
+    from relax.actors._spec import ChildSpec
+
+
+class Member(Protocol):
+    """One running copy of an actor: a ``Cell`` here or a ``ProcessMember`` elsewhere."""
+
+    pid: int | None
+    done: asyncio.Future[Exit]
+
+    async def call(
+        self, method: str, args: Any, kwargs: dict[str, Any], timeout: float | None
+    ) -> Any: ...
+    async def cast(self, method: str, args: Any, kwargs: dict[str, Any]) -> None: ...
+    async def shutdown(self, timeout: float) -> Exit: ...
+    def statistics(self) -> dict[str, Any]: ...
+
+
+class Placement(Protocol):
+    kind: str
+
+    async def launch(self, spec: ChildSpec) -> Incarnation: ...
+
+    def check(self, spec: ChildSpec) -> None:
+        """Raise ``ValueError`` if ``spec`` cannot run under this placement."""
+
+
+@dataclass(frozen=True)
+class InProc:
+    """Run the actor as a task in the supervisor's own process and event loop."""
+
+    start_timeout: float = 60.0
+    kind: Literal["inproc"] = field(default="inproc", init=False)
+
+    def check(self, spec: ChildSpec) -> None:
+        pass
+
+    async def launch(self, spec: ChildSpec) -> Incarnation:
+        async def start(rank: int) -> Member:
+            actor = build_actor(spec.start, spec.args, dict(spec.kwargs))
+            cell = Cell(actor, ActorContext(id=spec.id, rank=rank, size=spec.gang))
+            await cell.start(self.start_timeout)
+            return cell
+
+        return await Incarnation.launch(spec.id, [start] * spec.gang)
+
+
+@dataclass(frozen=True)
+class Process:
+    """Run each member in its own OS process, watched by heartbeats, spoken to over NNG."""
+
+    transport: Literal["ipc", "tcp"] = "ipc"
+    heartbeat_interval: float = 0.5
+    """Seconds between heartbeats the child's event loop sends."""
+    heartbeat_timeout: float = 10.0
+    """Silence after which the child counts as hung and is killed (and restarted)."""
+    start_timeout: float = 60.0
+    max_message_bytes: int = 1 << 30
+    env: Mapping[str, str] = field(default_factory=dict)
+    kind: Literal["process"] = field(default="process", init=False)
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
+
+    def check(self, spec: ChildSpec) -> None:
+        from relax.transport import dumps
+
+        import_path(spec.start)  # type: ignore[arg-type]
+        try:
+            dumps([list(spec.args), dict(spec.kwargs)])
+        except TypeError as exc:
+            raise ValueError(
+                f"child {spec.id!r}: its args cannot cross a process boundary: {exc}"
+            ) from None
+
+    async def launch(self, spec: ChildSpec) -> Incarnation:
+        options = ProcessOptions(
+            transport=self.transport,
+            heartbeat_interval=self.heartbeat_interval,
+            heartbeat_timeout=self.heartbeat_timeout,
+            start_timeout=self.start_timeout,
+            max_message_bytes=self.max_message_bytes,
+            env=tuple(sorted(self.env.items())),
+        )
+        gang_env = _gang_env(spec.gang)
+
+        def starter(rank: int) -> Any:
+            async def start(_: int) -> Member:
+                member = ProcessMember(
+                    actor_id=spec.id,
+                    target=import_path(spec.start),  # type: ignore[arg-type]
+                    args=spec.args,
+                    kwargs=dict(spec.kwargs),
+                    rank=rank,
+                    size=spec.gang,
+                    options=options,
+                    gang_env={**gang_env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                )
+                await member.start()
+                return member  # type: ignore[return-value]
+
+            return start
+
+        return await Incarnation.launch(spec.id, [starter(r) for r in range(spec.gang)])
+
+
+def _gang_env(size: int) -> dict[str, str]:
+    """torch.distributed's env:// rendezvous for a gang, so ranks can form a world."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(size),
+        "LOCAL_WORLD_SIZE": str(size),
+    }
+
+
+class Incarnation:
+    """One start of a child: its members, which start, stop and end as a unit.
+
+    ``done`` resolves when the unit has ended: when every member ended normally, or as soon
+    as one member ends abnormally, after the others were killed (a torch.distributed world
+    cannot go on with a rank missing). Its ``Exit`` names the member that ended it.
+    """
+
+    def __init__(self, actor_id: str, members: list[Member]) -> None:
+        self.actor_id = actor_id
+        self.members = members
+        self.done: asyncio.Future[Exit] = asyncio.get_running_loop().create_future()
+        self._ending = False
+        self._ender: asyncio.Future[None] | None = None
+        for rank, member in enumerate(members):
+            member.done.add_done_callback(lambda fut, rank=rank: self._member_done(rank, fut))
+
+    @classmethod
+    async def launch(cls, actor_id: str, starters: list[Any]) -> Incarnation:
+        tasks = [asyncio.create_task(start(rank)) for rank, start in enumerate(starters)]
+        await asyncio.wait(tasks)
+        failed = [t for t in tasks if t.exception() is not None]
+        if not failed:
+            return cls(actor_id, [t.result() for t in tasks])
+        for task in tasks:
+            if task.exception() is None:
+                await task.result().shutdown(0)
+        exc = failed[0].exception()
+        if isinstance(exc, StartFailed):
+            raise exc
+        exit_ = Exit.from_exception(exc, "start")  # type: ignore[arg-type]
+        raise StartFailed(
+            f"{actor_id}: {exit_.describe()}", actor_id=actor_id, cause=exit_
+        ) from exc
+
+    @property
+    def alive(self) -> bool:
+        """False as soon as any member has ended (before the supervisor has heard of it)."""
+        return not self.done.done() and not any(m.done.done() for m in self.members)
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [m.pid for m in self.members]
+
+    def member(self, rank: int = 0) -> Member:
+        return self.members[rank]
+
+    def _member_done(self, rank: int, fut: asyncio.Future[Exit]) -> None:
+        exit_ = fut.result()
+        if len(self.members) > 1 and exit_.member is None:
+            exit_ = Exit(**{**exit_.__dict__, "member": rank})
+        if self._ending:
+            return  # _end_with or shutdown resolves the gang's end with the right cause
+        if not exit_.normal:
+            self._ending = True
+            self._ender = asyncio.ensure_future(self._end_with(exit_))
+        elif all(m.done.done() for m in self.members):
+            self._resolve(exit_)
+
+    async def _end_with(self, exit_: Exit) -> None:
+        # Kill the rest at once; the gang's Exit names the member that ended it.
+        await asyncio.gather(*(m.shutdown(0) for m in self.members if not m.done.done()))
+        self._resolve(exit_)
+
+    def _resolve(self, exit_: Exit) -> None:
+        if not self.done.done():
+            self.done.set_result(exit_)
+
+    async def shutdown(self, timeout: float) -> Exit:
+        """Stop every member together; each is killed after ``timeout`` (0: at once)."""
+        self._ending = True
+        exits = await asyncio.gather(*(m.shutdown(timeout) for m in self.members))
+        worst = next((e for e in exits if not e.normal), exits[0])
+        self._resolve(worst)
+        return await asyncio.shield(self.done)
+
+    def statistics(self) -> dict[str, Any]:
+        stats = [m.statistics() for m in self.members]
+        return stats[0] if len(stats) == 1 else {"members": stats}

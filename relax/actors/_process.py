@@ -1,0 +1,285 @@
+"""The supervisor's side of an actor hosted in its own OS process.
+
+The child is ``python -m relax.actors._host``; it dials a PAIR socket this side listens on
+(IPC in a private directory by default, TCP on loopback on request), proves itself with a
+one-time token, and then serves calls. This side watches three things and turns each into an
+``Exit``: the process's own end (exit code or signal), the child's last word (an exception
+with traceback, sent before it exits), and its heartbeats (a child whose event loop hangs is
+killed and reported as ``heartbeat``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pynng
+
+from relax.actors._cell import await_reply
+from relax.actors._exit import Exit, error_from_dict
+from relax.actors._protocol import ENV_ADDR, ENV_TOKEN, Channel, exit_from_wire
+from relax.errors import ActorDead, RelaxError, StartFailed, TransportError
+from relax.log import get_logger
+
+log = get_logger("relax.actors")
+
+
+@dataclass(frozen=True)
+class ProcessOptions:
+    """How a process child is run and watched (the ``Process`` placement's settings)."""
+
+    transport: Literal["ipc", "tcp"] = "ipc"
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 10.0
+    start_timeout: float = 60.0
+    max_message_bytes: int = 1 << 30
+    env: tuple[tuple[str, str], ...] = field(default=())
+
+
+class ProcessMember:
+    """One child process hosting one actor (one member of a gang)."""
+
+    def __init__(
+        self,
+        *,
+        actor_id: str,
+        target: str,
+        args: Any,
+        kwargs: dict[str, Any],
+        rank: int,
+        size: int,
+        options: ProcessOptions,
+        gang_env: dict[str, str],
+    ) -> None:
+        self.actor_id = actor_id
+        self.rank = rank
+        self._target, self._args, self._kwargs = target, list(args), dict(kwargs)
+        self._size = size
+        self._options = options
+        self._gang_env = gang_env
+        self.done: asyncio.Future[Exit] = asyncio.get_running_loop().create_future()
+        self.pid: int | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self._channel: Channel | None = None
+        self._dir: str | None = None
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._ids = itertools.count()
+        self._cause: Exit | None = None
+        self._last_seen = time.monotonic()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stats = {"calls": 0, "casts": 0, "heartbeats": 0, "bad_frames": 0}
+
+    # ------------------------------------------------------------------ start
+
+    async def start(self) -> None:
+        opts = self._options
+        sock = pynng.Pair0(recv_max_size=opts.max_message_bytes)
+        if opts.transport == "ipc":
+            self._dir = tempfile.mkdtemp(prefix="relax-")  # 0700: only this user can dial
+            addr = f"ipc://{self._dir}/{self.rank}.sock"
+            sock.listen(addr)
+        else:
+            sock.listen("tcp://127.0.0.1:0")
+            # str() and not .port: pynng 0.9 reports .port in network byte order.
+            port = str(sock.listeners[0].local_address).rsplit(":", 1)[1]
+            addr = f"tcp://127.0.0.1:{port}"
+        self._channel = Channel(sock, f"supervisor->{self.actor_id}/{self.rank}")
+        token = secrets.token_hex(16)
+        env = {**os.environ, **self._gang_env, **dict(opts.env)}
+        env[ENV_ADDR], env[ENV_TOKEN] = addr, token
+        # The child must import what this process can import (tests, user modules).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        self._proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "relax.actors._host", env=env, stdin=asyncio.subprocess.DEVNULL
+        )
+        self.pid = self._proc.pid
+        self._tasks.append(asyncio.create_task(self._watch_process()))
+        handshake = asyncio.create_task(self._handshake(token))
+        await asyncio.wait(
+            {handshake, self.done}, timeout=opts.start_timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        if handshake.done() and not handshake.cancelled() and handshake.exception() is None:
+            self._last_seen = time.monotonic()
+            self._tasks.append(asyncio.create_task(self._read()))
+            self._tasks.append(asyncio.create_task(self._watchdog()))
+            return
+        if not handshake.done():
+            handshake.cancel()
+            if not self.done.done():
+                self._cause = Exit("start", f"did not start within {opts.start_timeout}s")
+        elif handshake.exception() is not None and self._cause is None:
+            self._cause = Exit.from_exception(handshake.exception(), "start")  # type: ignore[arg-type]
+        self._kill()
+        exit_ = await self.done
+        raise StartFailed(
+            f"{self.actor_id}: {exit_.describe()}", actor_id=self.actor_id, cause=exit_
+        )
+
+    async def _handshake(self, token: str) -> None:
+        assert self._channel is not None
+        hello = await self._channel.recv()
+        if hello.get("t") != "hello" or not secrets.compare_digest(str(hello.get("token")), token):
+            log.warning("refused a child that did not present its token", actor=self.actor_id)
+            raise TransportError("child failed the token handshake")
+        await self._channel.send(
+            "init",
+            target=self._target,
+            args=self._args,
+            kwargs=self._kwargs,
+            id=self.actor_id,
+            rank=self.rank,
+            size=self._size,
+            hb=self._options.heartbeat_interval,
+        )
+        reply = await self._channel.recv()
+        if reply.get("t") == "start_failed":
+            self._cause = exit_from_wire(reply.get("exit"))
+            raise StartFailed(self._cause.describe(), actor_id=self.actor_id, cause=self._cause)
+        if reply.get("t") != "started":
+            raise TransportError(f"unexpected {reply.get('t')!r} during start")
+
+    # ------------------------------------------------------------------ watching
+
+    async def _read(self) -> None:
+        assert self._channel is not None
+        while True:
+            try:
+                msg = await self._channel.recv()
+            except TransportError as exc:
+                if self.done.done() or isinstance(exc.__cause__, pynng.Closed):
+                    return
+                self._stats["bad_frames"] += 1
+                log.warning("dropped a bad frame from a child", actor=self.actor_id, error=str(exc))
+                continue
+            self._last_seen = time.monotonic()
+            kind = msg["t"]
+            if kind == "hb":
+                self._stats["heartbeats"] += 1
+            elif kind == "reply":
+                self._on_reply(msg)
+            elif kind == "exit":
+                self._cause = self._cause or exit_from_wire(msg.get("exit"))
+                with contextlib.suppress(RelaxError):
+                    await self._channel.send("bye")
+
+    def _on_reply(self, msg: dict[str, Any]) -> None:
+        fut = self._pending.pop(msg.get("id", -1), None)
+        if fut is None or fut.done():
+            return  # the caller timed out already
+        if msg.get("ok"):
+            fut.set_result(msg.get("value"))
+        else:
+            error = msg.get("error")
+            fut.set_exception(error_from_dict(error if isinstance(error, dict) else {}))
+
+    async def _watchdog(self) -> None:
+        opts = self._options
+        while not self.done.done():
+            await asyncio.sleep(opts.heartbeat_interval)
+            silent = time.monotonic() - self._last_seen
+            if silent > opts.heartbeat_timeout:
+                self._cause = self._cause or Exit(
+                    "heartbeat",
+                    f"no heartbeat for {silent:.1f}s (timeout {opts.heartbeat_timeout}s)",
+                )
+                log.warning(
+                    "child missed its heartbeats; killing it", actor=self.actor_id, pid=self.pid
+                )
+                self._kill()
+                return
+
+    async def _watch_process(self) -> None:
+        assert self._proc is not None
+        returncode = await self._proc.wait()
+        by_process = Exit.from_returncode(returncode)
+        exit_ = self._cause or by_process
+        if self._cause is not None and by_process.signal and not exit_.signal:
+            exit_ = Exit(**{**exit_.__dict__, "signal": by_process.signal, "exit_code": returncode})
+        dead = ActorDead(
+            f"actor {self.actor_id!r} {exit_.describe()}", actor_id=self.actor_id, cause=exit_
+        )
+        # Mark this member dead before waking its callers, so a caller that retries at once
+        # sees the death and waits for the restart instead of calling the corpse.
+        if not self.done.done():
+            self.done.set_result(exit_)
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(dead)
+        self._pending.clear()
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        if self._channel is not None:
+            self._channel.close()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ stop
+
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.send_signal(signal.SIGKILL)
+
+    async def shutdown(self, timeout: float) -> Exit:
+        """Ask the child to stop; SIGKILL it after ``timeout`` (0: at once)."""
+        if self.done.done():
+            return self.done.result()
+        if timeout > 0 and self._channel is not None:
+            with contextlib.suppress(RelaxError):
+                await self._channel.send("stop")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.shield(self.done), None if timeout == float("inf") else timeout
+                )
+        if not self.done.done():
+            why = "brutal kill" if timeout <= 0 else f"did not stop within {timeout}s; killed"
+            self._cause = Exit("shutdown", why, signal="SIGKILL")
+            self._kill()
+        return await asyncio.shield(self.done)
+
+    # ------------------------------------------------------------------ messages
+
+    def _check_alive(self) -> None:
+        if self.done.done():
+            exit_ = self.done.result()
+            raise ActorDead(
+                f"actor {self.actor_id!r} {exit_.describe()}", actor_id=self.actor_id, cause=exit_
+            )
+
+    async def call(
+        self, method: str, args: Any, kwargs: dict[str, Any], timeout: float | None
+    ) -> Any:
+        self._check_alive()
+        assert self._channel is not None
+        call_id = next(self._ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = fut
+        self._stats["calls"] += 1
+        try:
+            await self._channel.send("call", id=call_id, m=method, a=list(args), k=kwargs)
+            return await await_reply(fut, timeout, f"{self.actor_id}.{method}")
+        except TransportError:
+            self._check_alive()
+            raise
+        finally:
+            self._pending.pop(call_id, None)
+
+    async def cast(self, method: str, args: Any, kwargs: dict[str, Any]) -> None:
+        self._check_alive()
+        assert self._channel is not None
+        self._stats["casts"] += 1
+        await self._channel.send("cast", m=method, a=list(args), k=kwargs)
+
+    def statistics(self) -> dict[str, Any]:
+        return {**self._stats, "pending_calls": len(self._pending)}

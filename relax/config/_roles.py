@@ -1,0 +1,320 @@
+"""The supervised children of ``cluster.toml``: the six RL roles and user ``[[actors]]``.
+
+Every child shares ``ChildConfig`` (placement, restart, shutdown, heartbeats, gang); roles add
+``enabled``/``replicas`` and their own settings. As in ``_models``, the attribute
+docstrings are the user documentation, and cross-key checks of one table live in its model.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import Field, model_validator
+
+from relax.config._base import (
+    AsTuple,
+    ConfigModel,
+    Dtype,
+    FrozenList,
+    ImportPath,
+    NonNegativeFloat,
+    NonNegativeInt,
+    OpenFraction,
+    Placement,
+    PositiveInt,
+    Problems,
+    Restart,
+    SafeName,
+    Seconds,
+    Shutdown,
+    import_path_problem,
+    show,
+)
+
+ROLE_NAMES: tuple[str, ...] = ("dataset", "rollout", "reward", "reference", "critic", "trainer")
+"""The built-in RL roles, each configured by the table of the same name."""
+
+RESERVED_IDS: frozenset[str] = frozenset((*ROLE_NAMES, "bus", "supervisor"))
+"""Child ids the cluster uses itself; user actors must pick others."""
+
+Beta = Annotated[float, Field(ge=0, lt=1)]
+"""One AdamW beta, in [0, 1)."""
+
+
+# --------------------------------------------------------------------------- children
+
+
+class ChildConfig(ConfigModel):
+    """Settings every supervised child has: where it runs and how it is restarted and watched."""
+
+    placement: Placement = "inproc"
+    """Where it runs: "inproc" (an asyncio task in the supervisor's process), "process" (its own OS process) or "ray" (a Ray actor)."""
+    restart: Restart = "permanent"
+    """When it is restarted: "permanent" (always), "transient" (only after a crash) or "temporary" (never)."""
+    shutdown: Shutdown | None = None
+    """Seconds it gets to stop cleanly before it is killed, or "brutal_kill"; unset means `[supervisor] shutdown`."""
+    heartbeat_interval: Seconds = 2.0
+    """Seconds between the heartbeats it sends to its supervisor."""
+    heartbeat_timeout: Seconds = 30.0
+    """Seconds without a heartbeat after which it is declared dead; must exceed `heartbeat_interval`."""
+    gang: PositiveInt = 1
+    """Number of processes that start, stop and restart together (e.g. trainer ranks); above 1 needs placement "process" or "ray"."""
+
+    @model_validator(mode="after")
+    def _child_checks(self) -> ChildConfig:
+        problems = Problems()
+        self._collect_problems(problems)
+        problems.raise_if_any()
+        return self
+
+    def _collect_problems(self, problems: Problems) -> None:
+        """Add this table's cross-key problems; subclasses extend it (and call super)."""
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            default = "" if "heartbeat_timeout" in self.model_fields_set else " (the default)"
+            problems.add(
+                "heartbeat_timeout",
+                f"must be greater than heartbeat_interval ({self.heartbeat_interval:g} s),"
+                f" got {self.heartbeat_timeout:g} s{default}",
+                "a few missed heartbeats should be tolerated: use at least 3 times the interval",
+            )
+        if self.gang > 1 and self.placement == "inproc":
+            problems.add(
+                "gang",
+                f'a gang of {self.gang} processes needs placement "process" or "ray",'
+                ' but placement is "inproc"',
+            )
+
+
+class RoleConfig(ChildConfig):
+    """Settings common to the built-in RL roles."""
+
+    enabled: bool = True
+    """Whether this role runs at all."""
+    replicas: PositiveInt = 1
+    """How many copies of this role run side by side (each one a gang of `gang` processes)."""
+
+
+class DatasetConfig(RoleConfig):
+    """``[dataset]``: the role that reads prompts (described by ``[data]``) and puts them on the bus."""
+
+
+class VllmConfig(ConfigModel):
+    """``[rollout.vllm]``: settings passed to vLLM when ``engine = "vllm"``."""
+
+    gpu_memory_utilization: OpenFraction = 0.9
+    """Fraction of each GPU's memory vLLM may claim for weights and KV cache (0 < x ≤ 1)."""
+    tensor_parallel_size: PositiveInt = 1
+    """Number of GPUs one vLLM engine shards the model over."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (slower, starts faster, easier to debug)."""
+    max_model_len: PositiveInt | None = None
+    """Longest sequence (prompt + response) the engine plans for; unset uses the model's limit."""
+    enable_prefix_caching: bool = True
+    """Reuse KV cache across requests sharing a prefix (the samples of one group share their prompt)."""
+    seed: int = 0
+    """Seed of vLLM's sampler."""
+
+
+class RolloutConfig(RoleConfig):
+    """``[rollout]``: the role that generates responses with the current policy weights."""
+
+    engine: Literal["hf", "vllm"] = "hf"
+    """Generation backend: "hf" (Hugging Face `generate`, runs on CPU) or "vllm" (GPU)."""
+    max_new_tokens: PositiveInt = 64
+    """Most tokens generated per response."""
+    temperature: NonNegativeFloat = 1.0
+    """Sampling temperature; 0 means greedy (RL usually wants 1.0)."""
+    top_p: OpenFraction = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches `top_p` (0 < p ≤ 1; 1 disables)."""
+    top_k: NonNegativeInt = 0
+    """Sample only among the `top_k` most likely tokens; 0 disables."""
+    batch_size: PositiveInt = 8
+    """Prompts one replica generates for at a time (each expands into `data.n_samples_per_prompt` samples)."""
+    stop: FrozenList[str] = ()
+    """Strings that end a response early (the stop string is kept in the response)."""
+    weight_sync_timeout: Seconds = 60.0
+    """Seconds a replica waits for new weights before the sync counts as failed."""
+    interruptible: bool = True
+    """Let a weight update interrupt generation in flight (the rest of the response is generated with the new weights and per-token versions are recorded); if false, updates wait for the batch to finish."""
+    vllm: VllmConfig = VllmConfig()
+    """vLLM engine settings; ignored unless `engine = "vllm"` (so switching engines needs no other edit)."""
+
+    def _collect_problems(self, problems: Problems) -> None:
+        super()._collect_problems(problems)
+        if any(not stop for stop in self.stop):
+            index = next(i for i, stop in enumerate(self.stop) if not stop)
+            problems.add(("stop", index), "a stop string must not be empty")
+
+
+RewardKind = Literal["exact_match", "numeric", "regex", "length_penalty", "python", "http"]
+
+
+class RewardFunctionConfig(ConfigModel):
+    """``[[reward.functions]]``: one scoring function; a sample's reward is the weighted sum."""
+
+    name: SafeName
+    """Unique name of this function; its score is logged under it."""
+    kind: RewardKind
+    """What it computes: "exact_match" (answer equals the reference), "numeric" (answers equal as numbers), "regex" (response matches `pattern`), "length_penalty" (penalises long responses), "python" (calls `target`) or "http" (POSTs to `target`)."""
+    weight: float = Field(1.0, allow_inf_nan=False)
+    """Multiplier of this function's score in the total reward (may be negative)."""
+    target: str | None = None
+    """For kind "python": import path "package.module:function"; for kind "http": the http(s) URL. Unused otherwise."""
+    pattern: str | None = None
+    """For kind "regex": the Python regular expression a good response matches (searched, not anchored)."""
+    timeout: Seconds = 10.0
+    """Seconds one call may take before the sample's score counts as failed."""
+    options: dict[str, Any] = {}
+    """Extra keyword arguments passed to the function (free-form table)."""
+
+    @model_validator(mode="after")
+    def _kind_needs(self) -> RewardFunctionConfig:
+        problems = Problems()
+        kind = self.kind
+        if kind == "python":
+            if self.target is None:
+                problems.add("target", 'kind "python" needs target = "package.module:function"')
+            else:
+                problem = import_path_problem(self.target)
+                if problem is not None:
+                    problems.add("target", *problem)
+        elif kind == "http":
+            if self.target is None:
+                problems.add("target", 'kind "http" needs target = "https://host/path"')
+            else:
+                parts = urlsplit(self.target)
+                if parts.scheme not in ("http", "https") or not parts.netloc:
+                    problems.add(
+                        "target",
+                        f"must be an http:// or https:// URL, got {show(self.target)}",
+                    )
+        elif self.target is not None:
+            problems.add("target", f'only kinds "python" and "http" use target, not {show(kind)}')
+        if kind == "regex":
+            if self.pattern is None:
+                problems.add("pattern", 'kind "regex" needs a pattern')
+            else:
+                try:
+                    re.compile(self.pattern)
+                except re.error as exc:
+                    problems.add("pattern", f"is not a valid regular expression: {exc}")
+        elif self.pattern is not None:
+            problems.add("pattern", f'only kind "regex" uses pattern, not {show(kind)}')
+        problems.raise_if_any()
+        return self
+
+
+_DEFAULT_REWARD = RewardFunctionConfig(name="correct", kind="exact_match")
+
+
+class RewardConfig(RoleConfig):
+    """``[reward]``: the role that scores responses; functions are ``[[reward.functions]]`` tables."""
+
+    functions: FrozenList[RewardFunctionConfig] = (_DEFAULT_REWARD,)
+    """The scoring functions; a sample's reward is the weighted sum of their scores. Unset means one exact-match function named "correct"."""
+
+    def _collect_problems(self, problems: Problems) -> None:
+        super()._collect_problems(problems)
+        if self.enabled and not self.functions:
+            problems.add("functions", "the reward role is enabled but has no functions")
+        first_index: dict[str, int] = {}
+        for index, function in enumerate(self.functions):
+            if function.name in first_index:
+                problems.add(
+                    ("functions", index, "name"),
+                    f"duplicate function name {show(function.name)}"
+                    f" (also reward.functions[{first_index[function.name]}])",
+                )
+            else:
+                first_index[function.name] = index
+
+
+class ReferenceConfig(RoleConfig):
+    """``[reference]``: the role that scores responses under the frozen initial policy (for the KL term)."""
+
+    enabled: bool = False
+    """Whether this role runs; needed when `algorithm.kl.coef` > 0."""
+    model_path: str | None = None
+    """Local Hugging Face model folder of the reference policy; unset means the `[model]` the policy starts from."""
+
+
+class CriticConfig(RoleConfig):
+    """``[critic]``: the value model, trained alongside the policy; needed by advantage "gae"."""
+
+    enabled: bool = False
+    """Whether this role runs; needed when `algorithm.advantage = "gae"`."""
+    model_path: str | None = None
+    """Local Hugging Face model folder the critic starts from; unset means the `[model]` of the policy (with a fresh value head)."""
+    lr: float = Field(1e-5, gt=0, allow_inf_nan=False)
+    """Learning rate of the critic's optimiser."""
+
+
+class TrainerConfig(RoleConfig):
+    """``[trainer]``: the role that turns scored samples into policy updates and publishes weights."""
+
+    backend: Literal["torch", "deepspeed"] = "torch"
+    """Optimisation backend: "torch" (plain PyTorch, CPU or GPU) or "deepspeed" (ZeRO sharding)."""
+    zero_stage: Literal[0, 1, 2, 3] | None = None
+    """DeepSpeed ZeRO stage (0 to 3); only with backend "deepspeed", where unset means 2."""
+    lr: float = Field(1e-5, gt=0, allow_inf_nan=False)
+    """Learning rate of the policy optimiser (AdamW)."""
+    weight_decay: NonNegativeFloat = 0.0
+    """AdamW weight decay."""
+    betas: Annotated[tuple[Beta, Beta], AsTuple] = (0.9, 0.999)
+    """AdamW (beta1, beta2), each in [0, 1)."""
+    grad_clip: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """Gradients are rescaled so their global norm is at most this."""
+    micro_batch_size: PositiveInt = 4
+    """Samples per forward/backward pass on one rank; gradients accumulate until `global_batch_size`."""
+    global_batch_size: PositiveInt = 16
+    """Samples per optimiser step, across all ranks; a multiple of `micro_batch_size` times `gang` and of `data.n_samples_per_prompt`."""
+    steps: PositiveInt = 100
+    """Optimiser steps to train for; each publishes a new policy version."""
+    max_grad_norm_skip: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """Skip (and count) a step whose gradient norm, before clipping, exceeds this; unset never skips."""
+    seed: int = 0
+    """Seed of the trainer's random state (initialisation, dropout)."""
+    dtype: Dtype = "float32"
+    """Precision of the trained weights: "float32", "bfloat16" or "float16"."""
+
+    def _collect_problems(self, problems: Problems) -> None:
+        super()._collect_problems(problems)
+        if self.zero_stage is not None and self.backend != "deepspeed":
+            problems.add(
+                "zero_stage",
+                f'ZeRO stages need backend = "deepspeed", but backend is {show(self.backend)}',
+            )
+        step = self.micro_batch_size * self.gang
+        if self.global_batch_size % step:
+            factors = f"micro_batch_size ({self.micro_batch_size})"
+            if self.gang > 1:
+                factors = (
+                    f"micro_batch_size * gang ({self.micro_batch_size} * {self.gang} = {step})"
+                )
+            problems.add(
+                "global_batch_size",
+                f"must be a multiple of {factors}, got {self.global_batch_size}",
+            )
+
+    @property
+    def effective_zero_stage(self) -> int | None:
+        """The ZeRO stage DeepSpeed runs with (None for the torch backend)."""
+        if self.backend != "deepspeed":
+            return None
+        return 2 if self.zero_stage is None else self.zero_stage
+
+
+# --------------------------------------------------------------------------- [[actors]]
+
+
+class ActorConfig(ChildConfig):
+    """``[[actors]]``: a user actor started in the supervisor tree next to the roles."""
+
+    id: SafeName
+    """Unique id of this actor in the tree; must not be a role name."""
+    start: ImportPath
+    """Import path "package.module:Class" of the actor class to start."""
+    kwargs: dict[str, Any] = {}
+    """Keyword arguments passed to the actor class (free-form table)."""
