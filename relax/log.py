@@ -43,7 +43,7 @@ def configure_logging(
     if _configured and not force:
         return
     level = (level or os.environ.get(ENV_LEVEL) or "info").lower()
-    fmt = fmt or os.environ.get(ENV_FORMAT, "auto")  # type: ignore[assignment]
+    fmt = fmt or os.environ.get(ENV_FORMAT) or "auto"  # type: ignore[assignment]
     stream = stream or sys.stderr
     if fmt == "auto":
         fmt = "console" if stream.isatty() else "json"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -68,22 +67,10 @@ class InProc:
 
 
 @dataclass(frozen=True)
-class Process:
+class Process(ProcessOptions):
     """Run each member in its own OS process, watched by heartbeats, spoken to over NNG."""
 
-    transport: Literal["ipc", "tcp"] = "ipc"
-    heartbeat_interval: float = 0.5
-    """Seconds between heartbeats the child's event loop sends."""
-    heartbeat_timeout: float = 10.0
-    """Silence after which the child counts as hung and is killed (and restarted)."""
-    start_timeout: float = 60.0
-    max_message_bytes: int = 1 << 30
-    env: Mapping[str, str] = field(default_factory=dict)
     kind: Literal["process"] = field(default="process", init=False)
-
-    def __post_init__(self) -> None:
-        if self.heartbeat_timeout <= self.heartbeat_interval:
-            raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
 
     def check(self, spec: ChildSpec) -> None:
         from relax.transport import dumps
@@ -97,14 +84,6 @@ class Process:
             ) from None
 
     async def launch(self, spec: ChildSpec) -> Incarnation:
-        options = ProcessOptions(
-            transport=self.transport,
-            heartbeat_interval=self.heartbeat_interval,
-            heartbeat_timeout=self.heartbeat_timeout,
-            start_timeout=self.start_timeout,
-            max_message_bytes=self.max_message_bytes,
-            env=tuple(sorted(self.env.items())),
-        )
         gang_env = _gang_env(spec.gang)
 
         def starter(rank: int) -> Any:
@@ -116,7 +95,7 @@ class Process:
                     kwargs=dict(spec.kwargs),
                     rank=rank,
                     size=spec.gang,
-                    options=options,
+                    options=self,
                     gang_env={**gang_env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                 )
                 await member.start()

@@ -20,6 +20,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -36,14 +37,24 @@ log = get_logger("relax.actors")
 
 @dataclass(frozen=True)
 class ProcessOptions:
-    """How a process child is run and watched (the ``Process`` placement's settings)."""
+    """How a process child is run and watched (the ``Process`` placement extends this)."""
 
     transport: Literal["ipc", "tcp"] = "ipc"
+    """``ipc`` (a Unix socket in a private directory) or ``tcp`` (on 127.0.0.1)."""
     heartbeat_interval: float = 0.5
+    """Seconds between heartbeats the child's event loop sends."""
     heartbeat_timeout: float = 10.0
+    """Silence after which the child counts as hung and is killed (and restarted)."""
     start_timeout: float = 60.0
+    """Seconds the child gets from spawn to the end of ``on_start``."""
     max_message_bytes: int = 1 << 30
-    env: tuple[tuple[str, str], ...] = field(default=())
+    """Largest message accepted from the child (NNG drops larger ones; we set it explicitly)."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment variables for the child."""
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
 
 
 class ProcessMember:

@@ -323,11 +323,15 @@ class Supervisor(Actor):
 
     # ------------------------------------------------------------------ handlers
 
-    async def restart_child(self, child_id: str) -> None:
-        """Stop a child (if running) and start it again; an operator's restart, not counted."""
+    def _child(self, child_id: str) -> _Child:
         child = self._by_id.get(child_id)
         if child is None:
             raise KeyError(f"supervisor {self.name!r} has no child {child_id!r}")
+        return child
+
+    async def restart_child(self, child_id: str) -> None:
+        """Stop a child (if running) and start it again; an operator's restart, not counted."""
+        child = self._child(child_id)
         async with self._lock:
             await self._stop(child)
             await self._start(child)
@@ -335,9 +339,7 @@ class Supervisor(Actor):
 
     async def terminate_child(self, child_id: str) -> None:
         """Stop a child and leave it stopped until ``restart_child``."""
-        child = self._by_id.get(child_id)
-        if child is None:
-            raise KeyError(f"supervisor {self.name!r} has no child {child_id!r}")
+        child = self._child(child_id)
         async with self._lock:
             await self._stop(child)
             child.set_state("stopped", terminal=True)

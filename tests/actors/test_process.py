@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from relax.actors import ChildSpec, Process, Supervisor
-from relax.errors import ActorDead, RemoteError
+from relax.errors import ActorDead, RemoteError, StartFailed
 from tests.actors.fixtures import Echo, FailRestart, StubbornStop, read_events
 from tests.actors.helpers import find, pid_alive, starts, wait_until
 
@@ -156,3 +156,28 @@ async def test_failed_restarts_count_against_intensity(tmp_path, events_file) ->
     events = read_events(events_file)
     assert starts(events, "f") == 1
     assert events.count("start-failed f") == 2  # two failed restarts, then the budget is spent
+
+
+async def test_a_process_child_that_cannot_be_built_fails_to_start_with_the_cause() -> None:
+    spec = ChildSpec("x", "tests.actors.fixtures:NoSuchActor", placement=Process())
+    with pytest.raises(StartFailed, match="NoSuchActor"):
+        async with Supervisor([spec]):
+            pass
+
+
+async def test_a_process_child_that_starts_too_slowly_is_killed() -> None:
+    spec = ChildSpec("slow", Echo, kwargs={"start_delay": 30}, placement=Process(start_timeout=1))
+    began = time.monotonic()
+    with pytest.raises(StartFailed, match="did not start within 1"):
+        async with Supervisor([spec]):
+            pass
+    assert time.monotonic() - began < 10
+
+
+def test_process_placement_refuses_what_cannot_cross_a_process_boundary() -> None:
+    with pytest.raises(ValueError, match="another process"):
+        ChildSpec("l", lambda: Echo(), placement=Process())
+    with pytest.raises(ValueError, match="cross a process boundary"):
+        ChildSpec("o", Echo, kwargs={"events": object()}, placement=Process())
+    with pytest.raises(ValueError, match="heartbeat_timeout"):
+        Process(heartbeat_interval=1, heartbeat_timeout=0.5)
