@@ -22,7 +22,11 @@ edge, so callers catch ``RelaxError`` and never a third party's type.
 
 from __future__ import annotations
 
+import builtins
+import sys
+import traceback
 from dataclasses import dataclass
+from typing import Any
 
 
 class RelaxError(Exception):
@@ -141,6 +145,51 @@ class LeaseExpired(BusError):
     """The lease ran out; its rows went back to the queue. Drop the work you did on them."""
 
 
+# --------------------------------------------------------------------------- across the wire
+
+
+def error_to_dict(exc: BaseException) -> dict[str, Any]:
+    """An exception as wire-safe data: type, module, message and formatted traceback."""
+    return {
+        "type": type(exc).__qualname__,
+        "module": type(exc).__module__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    }
+
+
+def error_from_dict(data: Any) -> BaseException:
+    """Rebuild an exception sent by :func:`error_to_dict`.
+
+    Only builtin exception types and Relax's own are rebuilt, by name from a fixed allow-list
+    (never by importing what the peer names); anything else becomes ``RemoteError``. The remote
+    traceback is attached as a note so it shows when the error is printed.
+    """
+    data = data if isinstance(data, dict) else {}
+    name, module = str(data.get("type")), str(data.get("module"))
+    message, tb = str(data.get("message", "")), str(data.get("traceback") or "")
+    cls: Any = None
+    if module == "builtins":
+        cls = getattr(builtins, name, None)
+    elif module == __name__:
+        cls = getattr(sys.modules[__name__], name, None)
+    exc: BaseException | None = None
+    if (
+        isinstance(cls, type)
+        and issubclass(cls, Exception)
+        and not issubclass(cls, (ConfigError, RemoteError))
+    ):
+        try:
+            exc = cls(message)
+        except TypeError:  # a constructor that wants more than a message
+            exc = None
+    if exc is None:
+        exc = RemoteError(message, remote_type=f"{module}.{name}", remote_traceback=tb)
+    if tb and hasattr(exc, "add_note"):
+        exc.add_note(f"Remote traceback:\n{tb}")
+    return exc
+
+
 __all__ = [
     "ActorDead",
     "AuthFailed",
@@ -156,4 +205,6 @@ __all__ = [
     "StartFailed",
     "SupervisorGaveUp",
     "TransportError",
+    "error_from_dict",
+    "error_to_dict",
 ]

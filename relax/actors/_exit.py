@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import builtins
 import signal
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from relax import errors
+from relax.errors import error_to_dict
 
 ExitKind = Literal[
     "normal",  # the actor finished on its own (run() returned, or it called stop())
@@ -75,44 +73,3 @@ class Exit:
         if returncode == 0:
             return cls("normal")
         return cls("exit_code", f"exit code {returncode}", exit_code=returncode)
-
-
-def error_to_dict(exc: BaseException) -> dict[str, Any]:
-    """An exception as wire-safe data: type, module, message and formatted traceback."""
-    return {
-        "type": type(exc).__qualname__,
-        "module": type(exc).__module__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-    }
-
-
-def error_from_dict(data: dict[str, Any]) -> BaseException:
-    """Rebuild an exception sent by :func:`error_to_dict`.
-
-    Only builtin exception types and Relax's own are rebuilt, by name from a fixed allow-list
-    (never by importing what the peer names); anything else becomes ``RemoteError``. The remote
-    traceback is attached as a note so it shows when the error is printed.
-    """
-    name, module, message = data.get("type"), data.get("module"), str(data.get("message", ""))
-    tb = str(data.get("traceback") or "")
-    cls: Any = None
-    if module == "builtins":
-        cls = getattr(builtins, str(name), None)
-    elif module == "relax.errors":
-        cls = getattr(errors, str(name), None)
-    exc: BaseException
-    if (
-        isinstance(cls, type)
-        and issubclass(cls, Exception)
-        and not issubclass(cls, (errors.ConfigError, errors.RemoteError))
-    ):
-        try:
-            exc = cls(message)
-        except TypeError:  # a constructor that wants more than a message
-            exc = errors.RemoteError(message, remote_type=f"{module}.{name}", remote_traceback=tb)
-    else:
-        exc = errors.RemoteError(message, remote_type=f"{module}.{name}", remote_traceback=tb)
-    if tb and hasattr(exc, "add_note"):
-        exc.add_note(f"Remote traceback:\n{tb}")
-    return exc

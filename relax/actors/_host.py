@@ -22,9 +22,9 @@ import pynng
 from relax.actors._actor import ActorContext
 from relax.actors._build import build_actor
 from relax.actors._cell import Cell
-from relax.actors._exit import Exit, error_to_dict
+from relax.actors._exit import Exit
 from relax.actors._protocol import ENV_ADDR, ENV_TOKEN, Channel, exit_to_wire
-from relax.errors import ActorDead, PeerGone, RelaxError, StartFailed
+from relax.errors import ActorDead, PeerGone, RelaxError, StartFailed, error_to_dict
 from relax.log import bind_actor, configure_logging, get_logger
 
 _BYE_WAIT = 2.0

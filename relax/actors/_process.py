@@ -27,9 +27,9 @@ from typing import Any, Literal
 import pynng
 
 from relax.actors._cell import await_reply
-from relax.actors._exit import Exit, error_from_dict
+from relax.actors._exit import Exit
 from relax.actors._protocol import ENV_ADDR, ENV_TOKEN, Channel, exit_from_wire
-from relax.errors import ActorDead, RelaxError, StartFailed, TransportError
+from relax.errors import ActorDead, RelaxError, StartFailed, TransportError, error_from_dict
 from relax.log import get_logger
 
 log = get_logger("relax.actors")

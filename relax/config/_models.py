@@ -172,8 +172,8 @@ class BusConfig(ConfigModel):
     """Largest message, in bytes, the bus accepts; at least `frame_bytes`."""
     lease_timeout: Seconds = 60.0
     """Seconds a consumer may hold rows without acknowledging them before they return to the queue."""
-    persist: bool = False
-    """Also write rows to an on-disk log under the run folder, so a restarted bus loses nothing."""
+    persist: bool = True
+    """Append every change (rows, columns, leases, acks, versions) to a checksummed log under the run folder, so a bus killed and restarted loses nothing. Turn off only for throwaway runs."""
     segment_bytes: PositiveInt = 64 << 20
     """Size, in bytes, at which the on-disk log starts a new segment file (with `persist`)."""
     fsync: Literal["checkpoint", "always", "never"] = "checkpoint"

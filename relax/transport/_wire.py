@@ -68,8 +68,11 @@ def _pad(n: int) -> int:
     return (-n) % _ALIGN
 
 
-def dumps(payload: Any) -> bytes:
-    """Encode ``payload`` (msgpack types and torch tensors) into one message."""
+def dumps_parts(payload: Any) -> list[bytes | memoryview]:
+    """Encode ``payload`` as the pieces of one message, tensor buffers not copied.
+
+    For scatter writes (``os.writev``, a log append); ``dumps`` joins them.
+    """
     buffers: list[memoryview] = []
 
     def default(obj: Any) -> Any:
@@ -109,7 +112,12 @@ def dumps(payload: Any) -> bytes:
         parts.append(b"\0" * (off - written))
         parts.append(buf)
         written = off + nbytes
-    return b"".join(parts)
+    return parts
+
+
+def dumps(payload: Any) -> bytes:
+    """Encode ``payload`` (msgpack types and torch tensors) into one message."""
+    return b"".join(dumps_parts(payload))
 
 
 def loads(message: bytes | bytearray | memoryview) -> Any:

@@ -1,0 +1,202 @@
+"""TransferQueue benchmarks, each against a baseline measured in the same run.
+
+1. put -> take throughput (rows/s, MB/s) for 1 KB, 64 KB and 1 MB rows: a producer task puts
+   rows into a bus in another process while a consumer task takes and acks them, against a raw
+   pynng relay doing the same data movement with no bus logic (REQ/REP to a process that keeps
+   payloads in a deque: one request carries a payload in, another carries it out).
+2. weights: publish a 50 MB state dict in buckets and have a subscriber poll it whole, against
+   a plain memcpy of the same bytes (``torch.Tensor.copy_``).
+
+Rounds are interleaved and medians reported. The last lines are machine-readable, one
+``name = value`` each. Run: ``python bench/bus.py [--rounds 3] [--persist/--no-persist]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pynng
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from relax.actors import ChildSpec, Process, Supervisor
+from relax.bus import BusClient, BusService
+from relax.log import configure_logging
+from relax.transport import Limits
+
+RELAY = """
+import collections, sys, pynng
+s = pynng.Rep0(recv_max_size=0)
+s.listen(sys.argv[1])
+q = collections.deque()
+while True:
+    m = s.recv()
+    if m[:1] == b"P":
+        q.append(m[1:]); s.send(b"ok")
+    else:
+        s.send(q.popleft() if q else b"")
+"""
+
+SIZES = {"1KB": 1 << 10, "64KB": 64 << 10, "1MB": 1 << 20}
+LIMITS = Limits(frame_bytes=8 << 20, max_message_bytes=256 << 20)
+
+
+def rows_for(size: int, count: int, tag: str) -> list[list[dict]]:
+    payload = torch.zeros(size, dtype=torch.uint8)
+    batch = max(1, min(64, (4 << 20) // size))
+    out = []
+    for start in range(0, count, batch):
+        out.append(
+            [
+                {
+                    "uid": f"{tag}-{i}",
+                    "group": f"{tag}-{i}",
+                    "version": 0,
+                    "columns": {"x": payload},
+                }
+                for i in range(start, min(start + batch, count))
+            ]
+        )
+    return out
+
+
+async def bus_throughput(url: str, size: int, count: int, tag: str) -> float:
+    async with (
+        await BusClient.connect(url, limits=LIMITS) as producer,
+        await BusClient.connect(url, limits=LIMITS) as consumer,
+    ):
+        batches = rows_for(size, count, tag)
+
+        async def produce() -> None:
+            for batch in batches:
+                await producer.put(batch)
+
+        async def consume() -> None:
+            got = 0
+            while got < count:
+                async with consumer.take("train", batch_size=len(batches[0]), wait=5) as batch:
+                    got += len(batch)
+
+        start = time.perf_counter()
+        await asyncio.gather(produce(), consume())
+        return count * size / (time.perf_counter() - start)
+
+
+async def raw_throughput(url: str, size: int, count: int) -> float:
+    payload = b"P" + bytes(size)
+    with pynng.Req0(recv_max_size=0) as put_sock, pynng.Req0(recv_max_size=0) as take_sock:
+        put_sock.dial(url, block=True)
+        take_sock.dial(url, block=True)
+
+        async def produce() -> None:
+            for _ in range(count):
+                await put_sock.asend(payload)
+                await put_sock.arecv()
+
+        async def consume() -> None:
+            got = 0
+            while got < count:
+                await take_sock.asend(b"T")
+                if len(await take_sock.arecv()) > 1:
+                    got += 1
+
+        start = time.perf_counter()
+        await asyncio.gather(produce(), consume())
+        return count * size / (time.perf_counter() - start)
+
+
+async def weights_bandwidth(url: str, version: int) -> float:
+    state = {f"w{i}": torch.randn(1 << 20) for i in range(12)} | {
+        "tail": torch.randn(524_288)
+    }  # 50 MB
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    async with (
+        await BusClient.connect(url, limits=LIMITS) as trainer,
+        await BusClient.connect(url, limits=LIMITS) as rollout,
+    ):
+        start = time.perf_counter()
+        await trainer.publish_weights(
+            version, state, bucket_bytes=16 << 20, set_trainer_version=False
+        )
+        got = await rollout.poll_weights(after=version - 1)
+        took = time.perf_counter() - start
+    assert got is not None and torch.equal(got[1]["tail"], state["tail"])
+    return nbytes / took
+
+
+def memcpy_bandwidth() -> float:
+    src = torch.randn(50 * (1 << 20) // 4)
+    dst = torch.empty_like(src)
+    start = time.perf_counter()
+    dst.copy_(src)
+    return src.numel() * 4 / (time.perf_counter() - start)
+
+
+async def main(rounds: int, persist: bool) -> None:
+    configure_logging(level="error")
+    with tempfile.TemporaryDirectory() as tmp:
+        relay_url = f"ipc://{tmp}/relay.sock"
+        bus_url = f"ipc://{tmp}/bus.sock"
+        relay = subprocess.Popen([sys.executable, "-c", RELAY, relay_url])
+        bus_kwargs = {
+            "url": bus_url,
+            "run_dir": tmp,
+            "persist": persist,
+            "capacity": 512,
+            "staleness": "inf",
+            "frame_bytes": LIMITS.frame_bytes,
+            "max_message_bytes": LIMITS.max_message_bytes,
+        }
+        results: dict[str, list[float]] = {}
+        try:
+            async with Supervisor(
+                [ChildSpec("bus", BusService, kwargs=bus_kwargs, placement=Process())]
+            ):
+                for r in range(rounds):
+                    for name, size in SIZES.items():
+                        count = max(200, min(5000, (256 << 20) // size // 4))
+                        results.setdefault(f"raw_{name}", []).append(
+                            await raw_throughput(relay_url, size, count)
+                        )
+                        results.setdefault(f"bus_{name}", []).append(
+                            await bus_throughput(bus_url, size, count, f"{name}-{r}")
+                        )
+                    results.setdefault("memcpy", []).append(memcpy_bandwidth())
+                    results.setdefault("weights", []).append(
+                        await weights_bandwidth(bus_url, r + 1)
+                    )
+        finally:
+            relay.kill()
+            relay.wait()
+    med = {k: statistics.median(v) for k, v in results.items()}
+    print(f"median of {rounds} rounds; bus on ipc in its own process; persist={persist}")
+    for name, size in SIZES.items():
+        bus, raw = med[f"bus_{name}"], med[f"raw_{name}"]
+        print(
+            f"put->take {name:>5}: bus {bus / size:9.0f} rows/s {bus / 1e6:8.1f} MB/s | "
+            f"raw pynng {raw / size:9.0f} rows/s {raw / 1e6:8.1f} MB/s | ratio {bus / raw:4.2f}"
+        )
+    print(
+        f"weights 50 MB publish+poll: {med['weights'] / 1e6:8.1f} MB/s | memcpy {med['memcpy'] / 1e6:8.1f} MB/s"
+    )
+    for name in SIZES:
+        print(f"bus_vs_raw_pynng_{name} = {med[f'bus_{name}'] / med[f'raw_{name}']:.3f}")
+    print(f"weights_vs_memcpy_50MB = {med['weights'] / med['memcpy']:.4f}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--persist", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args()
+    asyncio.run(main(args.rounds, args.persist))

@@ -1,0 +1,29 @@
+"""The TransferQueue: a versioned sample bus with leases, exactly-once acks, bounded-staleness
+admission and a versioned weights channel.
+
+- ``BusService``: the bus as a supervised actor (serves ``inproc://``, ``ipc://``, ``tcp://``),
+  persisted to a checksummed segment log so a SIGKILLed bus comes back with everything.
+- ``BusClient``: what roles and user code use from any process: ``admit``, ``put``,
+  ``add_columns``, ``take`` (a lease; ack on success), ``publish_weights``, ``poll_weights``.
+- ``BusTable``: the pure state machine underneath (rows, leases, acks, admission).
+- ``SegmentLog``: the crash-safe append-only log.
+"""
+
+from relax.bus._client import Batch, BusClient
+from relax.bus._log import LogCorrupt, SegmentLog
+from relax.bus._service import BusService
+from relax.bus._table import BusTable, ColumnConflict, UnknownTask
+from relax.bus._weights import VersionGone, WeightStore
+
+__all__ = [
+    "Batch",
+    "BusClient",
+    "BusService",
+    "BusTable",
+    "ColumnConflict",
+    "LogCorrupt",
+    "SegmentLog",
+    "UnknownTask",
+    "VersionGone",
+    "WeightStore",
+]

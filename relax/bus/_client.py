@@ -1,0 +1,298 @@
+"""The bus client: what every role (and a user's own agent environment) uses to reach the bus.
+
+Usable from any process and event loop::
+
+    async with await BusClient.connect("tcp://127.0.0.1:7000", secret=...) as bus:
+        if await bus.admit("prompt-17", rows=4, version=policy_version) == "ok":
+            await bus.put([{"uid": "prompt-17/0", "group": "prompt-17", "group_size": 4,
+                            "version": policy_version, "columns": {...}}, ...])
+        async with bus.take("train", columns=["response_ids", "reward"], batch_size=16,
+                            whole_groups=True) as batch:
+            train_on(batch.rows)          # acked when the block ends normally,
+                                          # given back to the queue if it raises
+
+If the bus restarts, requests wait for it to come back (the transport redials) and retry; the
+bus deduplicates, so a retried put or ack counts once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from relax.bus._weights import VersionGone
+from relax.errors import BusError
+from relax.transport import Limits, connect
+
+# The server may hold a request for `wait` seconds; the transport gets this much more on top.
+_MARGIN = 30.0
+
+
+@dataclass
+class Batch:
+    """Rows leased to one consumer task. Ack them, give them back, or drop some for good."""
+
+    task: str
+    lease: int = 0
+    trainer_version: int = 0
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    dropped: dict[str, str] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def items(self) -> list[list[Any]]:
+        """``[uid, attempt]`` pairs: what an ack quotes back to the bus."""
+        return [[r["uid"], r["attempt"]] for r in self.rows]
+
+    def drop(self, uids: Iterable[str], reason: str) -> None:
+        """Mark rows (and so their groups) to be dropped instead of acked, e.g. a failed reward."""
+        for uid in uids:
+            self.dropped[uid] = reason
+
+
+class BusClient:
+    """A connection to one bus. See the module docstring."""
+
+    def __init__(self, rpc: Any) -> None:
+        self._rpc = rpc
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        secret: str | None = None,
+        client_id: str | None = None,
+        limits: Limits | None = None,
+        connect_timeout: float = 30.0,
+    ) -> BusClient:
+        rpc = await connect(
+            url,
+            secret=secret,
+            client_id=client_id,
+            limits=limits or Limits(),
+            connect_timeout=connect_timeout,
+        )
+        return cls(rpc)
+
+    async def aclose(self) -> None:
+        await self._rpc.aclose()
+
+    async def __aenter__(self) -> BusClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _call(self, payload: dict[str, Any], wait: float | None = None) -> Any:
+        timeout = None if wait is not None and math.isinf(wait) else (wait or 0.0) + _MARGIN
+        return await self._rpc.request(payload, timeout=timeout)
+
+    # ------------------------------------------------------------------ producers
+
+    async def admit(self, group: str, rows: int, version: int, *, wait: float = 60.0) -> str:
+        """Permission to generate ``rows`` rows for ``group`` with weights ``version``.
+
+        Waits while the bus is full or generating now would run ahead of the trainer; returns
+        ``"ok"``, or ``"behind"`` (sync weights first), or ``"ahead"``/``"full"`` if still so
+        after ``wait`` seconds.
+        """
+        return await self._call(
+            {"op": "admit", "group": group, "rows": rows, "version": version, "wait": wait}, wait
+        )
+
+    async def put(self, rows: list[dict[str, Any]], *, wait: float = 60.0) -> int:
+        """Add rows (all or nothing), waiting while the bus is full. Returns rows added."""
+        return await self._call({"op": "put", "rows": rows, "wait": wait}, wait)
+
+    async def add_columns(self, uid: str, columns: dict[str, Any]) -> None:
+        """Write columns of an existing row (each column once)."""
+        await self._call({"op": "columns", "uid": uid, "columns": columns})
+
+    # ------------------------------------------------------------------ consumers
+
+    async def take_batch(
+        self,
+        task: str,
+        *,
+        batch_size: int,
+        columns: Iterable[str] = (),
+        min_rows: int = 1,
+        whole_groups: bool = False,
+        token_budget: int | None = None,
+        lease_timeout: float | None = None,
+        wait: float = 30.0,
+    ) -> Batch:
+        """Lease up to ``batch_size`` rows ready for ``task`` (empty if none came in ``wait``)."""
+        reply = await self._call(
+            {
+                "op": "take",
+                "task": task,
+                "columns": list(columns),
+                "batch_size": batch_size,
+                "min_rows": min_rows,
+                "whole_groups": whole_groups,
+                "token_budget": token_budget,
+                "lease_timeout": lease_timeout,
+                "wait": wait,
+            },
+            wait,
+        )
+        if reply is None:
+            return Batch(task)
+        return Batch(task, reply["lease"], reply["trainer_version"], reply["rows"])
+
+    @contextlib.asynccontextmanager
+    async def take(self, task: str, **kwargs: Any) -> AsyncIterator[Batch]:
+        """``take_batch`` as a block: acked on normal exit, given back if the block raises."""
+        batch = await self.take_batch(task, **kwargs)
+        try:
+            yield batch
+        except BaseException:
+            if batch.rows:
+                with contextlib.suppress(Exception):
+                    await self.release(batch)
+            raise
+        if batch.rows:
+            await self.ack(batch)
+
+    async def ack(self, batch: Batch) -> int:
+        """Ack the batch's rows (dropping those marked with ``drop``); returns rows newly acked."""
+        keep = [i for i in batch.items if i[0] not in batch.dropped]
+        for reason in set(batch.dropped.values()):
+            items = [i for i in batch.items if batch.dropped.get(i[0]) == reason]
+            await self._call({"op": "release", "task": batch.task, "items": items, "drop": reason})
+        if not keep:
+            return 0
+        return await self._call({"op": "ack", "task": batch.task, "items": keep})
+
+    async def release(self, batch: Batch, *, drop: str | None = None) -> None:
+        """Give the batch back to the queue (or drop it for good with a reason)."""
+        await self._call({"op": "release", "task": batch.task, "items": batch.items, "drop": drop})
+
+    # ------------------------------------------------------------------ trainer and status
+
+    async def set_trainer_version(self, version: int) -> int:
+        return await self._call({"op": "version", "version": version})
+
+    async def statistics(self) -> dict[str, Any]:
+        return await self._call({"op": "stats"})
+
+    # ------------------------------------------------------------------ weights
+
+    async def publish_weights(
+        self,
+        version: int,
+        state: dict[str, Any],
+        *,
+        bucket_bytes: int = 64 << 20,
+        set_trainer_version: bool = True,
+        group: Any = None,
+    ) -> int:
+        """Publish ``state`` as weight version ``version`` in buckets; visible only once whole.
+
+        Through the bus by default. With ``group`` (a ``relax.transport.TensorGroup`` the
+        subscribers joined, this process its source), the bus carries only the version and
+        layout and the bytes go over the group (NCCL on GPUs, gloo on CPU), one collective per
+        bucket. Returns the number of buckets. Committing also moves the trainer version.
+        """
+        buckets = _buckets(state, bucket_bytes)
+        meta: dict[str, Any] = {"buckets": len(buckets), "names": list(state)}
+        if group is not None:
+            meta["via"] = "group"
+            meta["layout"] = [
+                [
+                    [name, str(t.dtype).removeprefix("torch."), list(t.shape)]
+                    for name, t in b.items()
+                ]
+                for b in buckets
+            ]
+        await self._call({"op": "w_begin", "version": version, "meta": meta})
+        if group is None:
+            for index, bucket in enumerate(buckets):
+                await self._call(
+                    {"op": "w_put", "version": version, "index": index, "tensors": bucket}
+                )
+        await self._call(
+            {"op": "w_commit", "version": version, "set_trainer_version": set_trainer_version}
+        )
+        if group is not None:
+            for bucket in buckets:
+                await group.broadcast_bucket(list(bucket.values()), src=group.rank)
+        return len(buckets)
+
+    async def poll_weights(
+        self,
+        after: int = -1,
+        *,
+        wait: float = 30.0,
+        group: Any = None,
+        src: int = 0,
+        progress: Any = None,
+    ) -> tuple[int, dict[str, Any]] | None:
+        """The newest weight version above ``after``, whole (``None`` if none came in ``wait``).
+
+        The result is assembled completely before it is returned: a caller never sees a mix
+        of two versions, and a transfer cut short (the caller is cancelled or killed) exposes
+        nothing. With ``group``, the bytes come from rank ``src`` of that tensor group (every
+        subscriber in the group must poll each version). ``progress(done, total)`` is called
+        after each bucket.
+        """
+        import torch
+
+        while True:
+            head = await self._call({"op": "w_poll", "after": after, "wait": wait}, wait)
+            if head is None:
+                return None
+            meta, total = head["meta"], head["buckets"]
+            state: dict[str, Any] = {}
+            try:
+                for index in range(total):
+                    if meta.get("via") == "group":
+                        if group is None:
+                            raise BusError("these weights travel over a tensor group: pass group=")
+                        layout = meta["layout"][index]
+                        buffers = [
+                            torch.empty(shape, dtype=getattr(torch, dtype))
+                            for _, dtype, shape in layout
+                        ]
+                        await group.broadcast_bucket(buffers, src=src)
+                        state.update(
+                            {name: t for (name, _, _), t in zip(layout, buffers, strict=True)}
+                        )
+                    else:
+                        part = await self._call(
+                            {"op": "w_get", "version": head["version"], "index": index}
+                        )
+                        state.update(part["tensors"])
+                    if progress is not None:
+                        progress(index + 1, total)
+            except VersionGone:
+                continue  # superseded while we read it: fetch the newest instead
+            names = meta.get("names")
+            if names is not None and list(state) != names:
+                state = {name: state[name] for name in names}
+            return head["version"], state
+
+
+def _buckets(state: dict[str, Any], bucket_bytes: int) -> list[dict[str, Any]]:
+    """Split a state dict into buckets of about ``bucket_bytes`` (a big tensor gets its own)."""
+    buckets: list[dict[str, Any]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append({})
+            size = 0
+        buckets[-1][name] = tensor
+        size += nbytes
+    if not buckets[-1] and len(buckets) > 1:
+        buckets.pop()
+    if not state:
+        raise BusError("cannot publish an empty state dict")
+    return buckets

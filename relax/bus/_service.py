@@ -1,0 +1,335 @@
+"""The bus service: the TransferQueue as a supervised actor serving clients over RPC.
+
+It owns a ``BusTable`` (the rows and their bookkeeping), a ``SegmentLog`` (every change,
+appended before the caller hears back, so a SIGKILLed bus restarted by its supervisor comes
+back with every row, lease, ack and version), the latest published weights, and an RPC server
+(``inproc://``, ``ipc://`` or ``tcp://``) that any process can reach with a ``BusClient``.
+
+Waiting happens here, not in clients: a ``take`` with nothing ready, a ``put`` into a full bus
+and an ``admit`` that would run ahead of the trainer all wait (up to the caller's ``wait``) for
+the table to change. That is the bus's backpressure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from relax.actors import Actor
+from relax.bus._log import SegmentLog
+from relax.bus._table import BusTable, Op
+from relax.bus._weights import WeightStore
+from relax.errors import BusError
+from relax.transport import Limits, Peer, dumps, loads, serve
+from relax.transport._wire import dumps_parts
+
+# Keep the log short: compact (snapshot scalars, drop dead segments) every this many records.
+_COMPACT_EVERY = 4096
+
+
+class BusService(Actor):
+    """The TransferQueue. Clients talk to it through ``relax.bus.BusClient``."""
+
+    max_concurrency = 256  # long-polling takes must never block puts and acks
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        run_dir: str | None = None,
+        tasks: list[str] | tuple[str, ...] = ("train",),
+        trainer_task: str = "train",
+        capacity: int = 1024,
+        staleness: float | str = 1,
+        batch_size: int = 16,
+        lease_timeout: float = 60.0,
+        admission_timeout: float = 120.0,
+        persist: bool = True,
+        segment_bytes: int = 64 << 20,
+        fsync: str = "checkpoint",
+        secret: str | None = None,
+        frame_bytes: int = 1 << 20,
+        max_message_bytes: int = 256 << 20,
+        keep_weight_versions: int = 2,
+    ) -> None:
+        self.url = url
+        self.run_dir = run_dir
+        bound = math.inf if staleness in ("inf", math.inf) else float(staleness)
+        self.table = BusTable(
+            tasks=tuple(tasks),
+            trainer_task=trainer_task,
+            capacity=capacity,
+            staleness=bound,
+            batch_size=batch_size,
+        )
+        self.lease_timeout = lease_timeout
+        self.admission_timeout = admission_timeout
+        self.persist = persist and run_dir is not None
+        self.segment_bytes, self.fsync = segment_bytes, fsync
+        self.secret = secret
+        self.limits = Limits(frame_bytes=frame_bytes, max_message_bytes=max_message_bytes)
+        self.weights = WeightStore(
+            Path(run_dir, "weights") if self.persist and run_dir else None,
+            keep=keep_weight_versions,
+        )
+        self.log_file: SegmentLog | None = None
+        self.server: Any = None
+        self.changed = asyncio.Condition()
+        self.since_compact = 0
+        self.stats = {"bytes_in": 0, "bytes_out": 0, "requests": 0, "recovered_records": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def on_start(self) -> None:
+        if self.persist:
+            assert self.run_dir is not None
+            directory = Path(self.run_dir, "bus-log")
+            self.log_file = SegmentLog(
+                directory, segment_bytes=self.segment_bytes, fsync=self.fsync
+            )  # type: ignore[arg-type]
+            for seq, record in self.log_file.replay():
+                self.table.apply(loads(record), seq)
+                self.stats["recovered_records"] += 1
+            self.table.extend_leases(time.time(), self.lease_timeout)
+            self.weights.recover()
+            if self.stats["recovered_records"]:
+                self.log.info(
+                    "bus recovered",
+                    records=self.stats["recovered_records"],
+                    rows=len(self.table.rows),
+                )
+        self.server = await serve(self.url, self.handle, secret=self.secret, limits=self.limits)
+        self.log.info("bus serving", url=self.server.url)
+
+    async def run(self) -> None:
+        """Expire leases and admissions whose holders went silent; compact the log."""
+        while True:
+            await asyncio.sleep(min(1.0, self.lease_timeout / 4))
+            ops = self.table.expire(time.time())
+            if ops:
+                await self._commit(ops)
+
+    async def on_stop(self) -> None:
+        await self._close()
+
+    async def on_failure(self, exc: BaseException) -> None:
+        await self._close()
+
+    async def _close(self) -> None:
+        if self.server is not None:
+            await self.server.aclose()
+            self.server = None
+        if self.log_file is not None:
+            self.log_file.close()  # syncs: a clean shutdown is durable even with fsync="checkpoint"
+            self.log_file = None
+
+    # ------------------------------------------------------------------ handlers (actor calls)
+
+    def address(self) -> str:
+        """The URL clients connect to (a tcp port 0 resolved to the real port)."""
+        return self.server.url if self.server is not None else self.url
+
+    async def checkpoint(self) -> None:
+        """A checkpoint boundary: make the log durable on disk (fsync)."""
+        if self.log_file is not None:
+            self.log_file.sync()
+
+    def statistics(self) -> dict[str, Any]:
+        stats = self.table.statistics()
+        stats["service"] = dict(self.stats)
+        stats["weights"] = self.weights.statistics()
+        if self.log_file is not None:
+            stats["log"] = self.log_file.statistics()
+        if self.server is not None:
+            stats["transport"] = self.server.statistics()
+        return stats
+
+    # ------------------------------------------------------------------ requests from clients
+
+    async def handle(self, request: Any, peer: Peer) -> Any:
+        if not isinstance(request, dict) or not isinstance(request.get("op"), str):
+            raise BusError("a bus request is a dict with an 'op'")
+        op = request["op"]
+        handler = getattr(self, f"_op_{op}", None)
+        if handler is None:
+            raise BusError(f"unknown bus operation {op!r}")
+        self.stats["requests"] += 1
+        return await handler(request, peer)
+
+    async def _op_put(self, req: dict[str, Any], peer: Peer) -> int:
+        rows = req["rows"]
+        for row in rows:
+            if not isinstance(row, dict) or not {"uid", "group", "version"} <= row.keys():
+                raise BusError("every row needs 'uid', 'group' and 'version'")
+        ops = await self._wait_for(lambda: self.table.put(rows), req.get("wait"))
+        if ops is None:
+            raise BusError("the bus stayed full for the whole wait")  # the client retries
+        await self._commit(ops)
+        return sum(len(op["rows"]) for op in ops if op["op"] == "put")
+
+    async def _op_columns(self, req: dict[str, Any], peer: Peer) -> None:
+        await self._commit(self.table.add_columns(req["uid"], req["columns"]))
+
+    async def _op_take(self, req: dict[str, Any], peer: Peer) -> dict[str, Any] | None:
+        columns = tuple(req.get("columns") or ())
+        dropped: list[Op] = []
+
+        def attempt() -> Any:
+            ops, lease = self.table.take(
+                req["task"],
+                columns=columns,
+                batch_size=int(req["batch_size"]),
+                min_rows=int(req.get("min_rows", 1)),
+                whole_groups=bool(req.get("whole_groups", False)),
+                token_budget=req.get("token_budget"),
+                holder=peer.id,
+                lease_timeout=float(req.get("lease_timeout") or self.lease_timeout),
+                now=time.time(),
+            )
+            if lease is None:
+                dropped.extend(ops)
+                return None
+            return ops, lease
+
+        found = await self._wait_for(attempt, req.get("wait"), commit=dropped)
+        if found is None:
+            return None
+        ops, lease = found
+        await self._commit(ops)
+        rows = []
+        for uid, attempt_no in lease.items.items():
+            row = self.table.rows[uid]
+            cols = row.columns if not columns else {c: row.columns[c] for c in columns}
+            rows.append(
+                {
+                    "uid": uid,
+                    "group": row.group,
+                    "version": row.version,
+                    "attempt": attempt_no,
+                    "columns": cols,
+                }
+            )
+        return {
+            "lease": lease.id,
+            "task": lease.task,
+            "trainer_version": self.table.version,
+            "rows": rows,
+        }
+
+    async def _op_ack(self, req: dict[str, Any], peer: Peer) -> int:
+        ops, n = self.table.ack(req["task"], [tuple(i) for i in req["items"]])
+        await self._commit(ops)
+        return n
+
+    async def _op_release(self, req: dict[str, Any], peer: Peer) -> None:
+        await self._commit(
+            self.table.release(req["task"], [tuple(i) for i in req["items"]], drop=req.get("drop"))
+        )
+
+    async def _op_admit(self, req: dict[str, Any], peer: Peer) -> str:
+        verdict = "full"
+
+        def attempt() -> Any:
+            nonlocal verdict
+            ops, verdict = self.table.admit(
+                req["group"],
+                int(req["rows"]),
+                int(req["version"]),
+                now=time.time(),
+                timeout=self.admission_timeout,
+            )
+            return ops if verdict in ("ok", "behind") else None
+
+        ops = await self._wait_for(attempt, req.get("wait"))
+        if ops:
+            await self._commit(ops)
+        return verdict
+
+    async def _op_version(self, req: dict[str, Any], peer: Peer) -> int:
+        await self._commit(self.table.set_version(int(req["version"])))
+        return self.table.version
+
+    async def _op_stats(self, req: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        return self.statistics()
+
+    # weights: begin/bucket/commit by the trainer; poll/bucket by subscribers
+
+    async def _op_w_begin(self, req: dict[str, Any], peer: Peer) -> None:
+        self.weights.begin(int(req["version"]), req["meta"])
+
+    async def _op_w_put(self, req: dict[str, Any], peer: Peer) -> None:
+        self.weights.put_bucket(int(req["version"]), int(req["index"]), req["tensors"])
+
+    async def _op_w_commit(self, req: dict[str, Any], peer: Peer) -> None:
+        version = int(req["version"])
+        self.weights.commit(version)
+        if req.get("set_trainer_version", True):
+            await self._commit(self.table.set_version(version))
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def _op_w_poll(self, req: dict[str, Any], peer: Peer) -> dict[str, Any] | None:
+        after = int(req.get("after", -1))
+        found = await self._wait_for(lambda: self.weights.latest_after(after), req.get("wait"))
+        return found
+
+    async def _op_w_get(self, req: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        return self.weights.get_bucket(int(req["version"]), int(req["index"]))
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _wait_for(
+        self, attempt: Any, wait: float | None, *, commit: list[Op] | None = None
+    ) -> Any:
+        """Retry ``attempt`` each time the table changes, for at most ``wait`` seconds."""
+        deadline = time.monotonic() + (float(wait) if wait else 0.0)
+        async with self.changed:
+            while True:
+                result = attempt()
+                if commit:
+                    pending, commit[:] = list(commit), []
+                    await self._log(pending)
+                if result is not None:
+                    return result
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                try:
+                    await asyncio.wait_for(self.changed.wait(), left)
+                except asyncio.TimeoutError:
+                    return attempt()
+
+    async def _commit(self, ops: list[Op]) -> None:
+        """Log ``ops`` (already applied to the table), then wake every waiter."""
+        if not ops:
+            return
+        await self._log(ops)
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def _log(self, ops: list[Op]) -> None:
+        if self.log_file is None or not ops:
+            return
+        records = [dumps_parts(op) for op in ops]  # tensors go to the log without a join copy
+        last = self.log_file.append_many(records)
+        # Each put op's rows remember their own record's position (the log counts per record).
+        for i, op in enumerate(ops):
+            if op["op"] == "put":
+                self.table.mark_seq([op], last - (len(ops) - 1 - i))
+        self.since_compact += len(records)
+        if self.since_compact >= _COMPACT_EVERY:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Write the scalar state, then delete segments nothing live depends on any more."""
+        assert self.log_file is not None
+        self.since_compact = 0
+        state_seq = self.log_file.append(dumps(self.table.state_op()))
+        oldest = self.table.oldest_live_seq()
+        watermark = state_seq if oldest is None else min(oldest, state_seq)
+        deleted = self.log_file.release_before(watermark)
+        if deleted:
+            self.log.debug("bus log compacted", segments_deleted=deleted, watermark=watermark)

@@ -1,0 +1,584 @@
+"""The TransferQueue's state: a table of sample rows, leases, acks and staleness admission.
+
+Pure, synchronous and deterministic: every change is an *op* (a small dict) applied by
+``apply``. Live calls decide (which rows a take leases, which rows are too stale) and return the
+ops they applied; the bus service appends those ops to its log *before* it answers, and a
+restarted bus rebuilds this table by applying the logged ops again. Time comes in as an
+argument, never from a clock in here, so tests and replay are exact.
+
+Rows, per the design's "Samples" contract: ``uid`` (unique, stable across retries), ``group``
+(prompt id; ``group_size`` rows make a group), ``version`` (policy version that generated it —
+the oldest one when a generation spans a weight update) and named columns written once each.
+
+Per consumer task (e.g. ``reward`` and ``train`` take the same rows independently) a row is
+``pending`` → ``leased`` (with an attempt number) → ``acked``. A row every task has acked is
+finished: it leaves the table and its uid is remembered, so a retried put of it is ignored and
+nothing is trained on twice.
+
+Staleness (``s``): the trainer task at version ``N`` only receives rows with
+``version ≥ N - s``; older rows are dropped and counted. Producers ask ``admit`` before they
+generate; admission paces them so rows arrive no staler than ``s`` when consumed (AReaL's rule):
+a producer holding weights ``v`` may have rows in play only while
+``trained + queued + admitted + n ≤ (v + s + 1) · batch_size``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from relax.errors import BusError
+
+Op = dict[str, Any]
+Item = tuple[str, int]  # (uid, attempt): what a lease hands out and an ack must quote back
+
+
+class UnknownTask(BusError):
+    """The task is not one of the bus's consumer tasks; declare it in the bus config."""
+
+
+class ColumnConflict(BusError):
+    """A column was written twice with different values; columns are write-once."""
+
+
+@dataclass(eq=False)
+class Row:
+    uid: str
+    group: str
+    group_size: int
+    version: int
+    columns: dict[str, Any]
+    tokens: int = 0
+    seq: int = 0
+    """Log position of the row's put (rows still live keep their log segments alive)."""
+    # Per task: ("pending", attempt) | ("leased", attempt, lease_id) | ("acked", attempt)
+    progress: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Lease:
+    id: int
+    task: str
+    holder: str
+    deadline: float
+    items: dict[str, int]  # uid -> attempt still outstanding
+
+
+@dataclass(eq=False)
+class Admission:
+    group: str
+    rows: int
+    version: int
+    deadline: float
+
+
+def count_tokens(columns: dict[str, Any]) -> int:
+    """Tokens a row costs against a take's token budget: its prompt and response ids."""
+    total = 0
+    for name in ("prompt_ids", "response_ids"):
+        value = columns.get(name)
+        if value is not None and hasattr(value, "__len__"):
+            total += len(value)
+    return total
+
+
+def _same(a: Any, b: Any) -> bool:
+    if hasattr(a, "shape") and hasattr(b, "shape"):
+        import torch
+
+        return bool(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
+    return bool(a == b)
+
+
+class BusTable:
+    """All sample rows and the bookkeeping around them. See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        tasks: tuple[str, ...] = ("train",),
+        trainer_task: str = "train",
+        capacity: int = 1024,
+        staleness: float = 1,
+        batch_size: int = 16,
+        dedup_window: int = 1_000_000,
+    ) -> None:
+        if trainer_task not in tasks:
+            raise ValueError(f"trainer task {trainer_task!r} must be one of the tasks {tasks}")
+        self.tasks = tuple(tasks)
+        self.trainer_task = trainer_task
+        self.capacity = capacity
+        self.staleness = staleness
+        self.batch_size = batch_size
+        self.dedup_window = dedup_window
+        self.rows: OrderedDict[str, Row] = OrderedDict()
+        self.groups: dict[str, list[str]] = {}
+        self.leases: dict[int, Lease] = {}
+        self.admissions: dict[str, Admission] = {}
+        self.finished: OrderedDict[str, None] = OrderedDict()  # recently finished uids
+        self.dropped_groups: OrderedDict[str, None] = OrderedDict()
+        self.version = 0  # the trainer's policy version N
+        self.next_lease = 1
+        self.counters: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ derived state
+
+    @property
+    def trained(self) -> int:
+        return self.counters["trained"]
+
+    def min_version(self) -> float:
+        """Oldest row version the trainer may still receive."""
+        return -math.inf if math.isinf(self.staleness) else self.version - self.staleness
+
+    def admitted_rows(self) -> int:
+        return sum(a.rows for a in self.admissions.values())
+
+    def room(self) -> int:
+        """Rows that can still be put or admitted before the bus is full."""
+        return self.capacity - len(self.rows) - self.admitted_rows()
+
+    # ------------------------------------------------------------------ decisions
+
+    def put(self, rows: list[dict[str, Any]]) -> list[Op] | None:
+        """Ops that add ``rows`` (all or nothing); ``None`` when the bus is full (wait).
+
+        Rows already present or already finished are skipped: a retried put is harmless.
+        """
+        fresh: dict[str, dict[str, Any]] = {}
+        for r in rows:
+            if r["uid"] not in self.rows and r["uid"] not in self.finished:
+                fresh.setdefault(r["uid"], r)
+        if len(fresh) > self.capacity:
+            raise BusError(
+                f"a put of {len(fresh)} rows can never fit a bus of capacity {self.capacity}"
+            )
+        arriving = Counter(r["group"] for r in fresh.values())
+        covered = sum(
+            min(n, self.admissions[g].rows) for g, n in arriving.items() if g in self.admissions
+        )
+        if fresh and len(self.rows) + self.admitted_rows() - covered + len(fresh) > self.capacity:
+            return None
+        ops: list[Op] = []
+        if len(fresh) < len(rows):
+            ops.append({"op": "count", "name": "duplicate_puts", "n": len(rows) - len(fresh)})
+        if fresh:
+            ops.append({"op": "put", "rows": list(fresh.values())})
+        return self._apply_all(ops)
+
+    def mark_seq(self, ops: list[Op], seq: int) -> None:
+        """Remember the log position of the put records among ``ops`` (see ``oldest_live_seq``)."""
+        for op in ops:
+            if op["op"] == "put":
+                for r in op["rows"]:
+                    if r["uid"] in self.rows:
+                        self.rows[r["uid"]].seq = seq
+
+    def add_columns(self, uid: str, columns: dict[str, Any]) -> list[Op]:
+        row = self.rows.get(uid)
+        if row is None:
+            if uid in self.finished:
+                return []  # a late write to a finished row: nothing left to do
+            raise BusError(f"no row {uid!r} on the bus")
+        new = {}
+        for name, value in columns.items():
+            if name in row.columns:
+                if not _same(row.columns[name], value):
+                    raise ColumnConflict(f"row {uid!r}: column {name!r} was already written")
+            else:
+                new[name] = value
+        return self._apply_all([{"op": "columns", "uid": uid, "columns": new}] if new else [])
+
+    def take(
+        self,
+        task: str,
+        *,
+        columns: tuple[str, ...] | list[str] = (),
+        batch_size: int,
+        min_rows: int = 1,
+        whole_groups: bool = False,
+        token_budget: int | None = None,
+        holder: str = "",
+        lease_timeout: float = 60.0,
+        now: float = 0.0,
+    ) -> tuple[list[Op], Lease | None]:
+        """Lease up to ``batch_size`` ready rows to ``task``; ``None`` if fewer than ``min_rows``.
+
+        Drops (and counts) rows the trainer can no longer use: too stale, or a unit larger
+        than the whole token budget. Drops happen even when no lease is granted.
+        """
+        if task not in self.tasks:
+            raise UnknownTask(f"unknown consumer task {task!r}; the bus serves {list(self.tasks)}")
+        ops: list[Op] = []
+        chosen: list[Row] = []
+        tokens = 0
+        trainer = task == self.trainer_task
+        floor = self.min_version() if trainer else -math.inf
+        units = list(self._units(task, columns, whole_groups))
+        if trainer:  # oldest versions first: they are the ones about to go stale
+            units.sort(key=lambda unit: min(r.version for r in unit))
+        for unit in units:
+            if trainer and min(r.version for r in unit) < floor:
+                ops.append(self._drop_op(unit, "stale"))
+                continue
+            unit_tokens = sum(r.tokens for r in unit)
+            if token_budget is not None and unit_tokens > token_budget:
+                ops.append(self._drop_op(unit, "oversized"))
+                continue
+            if len(chosen) + len(unit) > batch_size:
+                break
+            if token_budget is not None and tokens + unit_tokens > token_budget:
+                break
+            chosen.extend(unit)
+            tokens += unit_tokens
+        self._apply_all(ops)
+        if len(chosen) < max(1, min_rows):
+            return ops, None
+        lease_op = {
+            "op": "lease",
+            "id": self.next_lease,
+            "task": task,
+            "holder": holder,
+            "deadline": now + lease_timeout,
+            "items": [[r.uid, r.progress[task][1] + 1] for r in chosen],
+        }
+        self._apply(lease_op)
+        ops.append(lease_op)
+        return ops, self.leases[lease_op["id"]]
+
+    def _units(self, task: str, columns: Any, whole_groups: bool) -> Any:
+        """Rows (or whole groups) that ``task`` may take now, in arrival order."""
+        done: set[str] = set()
+        for row in list(self.rows.values()):
+            if row.uid in done:
+                continue
+            if not whole_groups:
+                if self._ready(row, task, columns):
+                    yield [row]
+                continue
+            members = [self.rows[u] for u in self.groups.get(row.group, ()) if u in self.rows]
+            done.update(r.uid for r in members)
+            if len(members) == row.group_size and all(
+                self._ready(r, task, columns) for r in members
+            ):
+                yield members
+
+    @staticmethod
+    def _ready(row: Row, task: str, columns: Any) -> bool:
+        return row.progress[task][0] == "pending" and all(c in row.columns for c in columns)
+
+    def ack(self, task: str, items: list[Item]) -> tuple[list[Op], int]:
+        """Ops that record ``task``'s acks; returns how many rows this acked for the first time.
+
+        An ack quoting an old attempt (its lease expired and the row went to someone else) is
+        ignored; acking a row twice counts once.
+        """
+        if task not in self.tasks:
+            raise UnknownTask(f"unknown consumer task {task!r}")
+        valid = []
+        for uid, attempt in items:
+            row = self.rows.get(uid)
+            if row is None:
+                continue
+            state = row.progress[task]
+            if state[0] != "acked" and state[1] == attempt:
+                valid.append([uid, attempt])
+        stale = len(items) - len(valid)
+        ops: list[Op] = [{"op": "ack", "task": task, "items": valid}] if valid else []
+        if stale:
+            ops.append({"op": "count", "name": "ignored_acks", "n": stale})
+        return self._apply_all(ops), len(valid)
+
+    def release(self, task: str, items: list[Item], *, drop: str | None = None) -> list[Op]:
+        """Give leased rows back (to be taken again), or drop them for good with a reason
+        (their whole groups go: a group baseline needs every member)."""
+        if task not in self.tasks:
+            raise UnknownTask(f"unknown consumer task {task!r}")
+        mine = []
+        for uid, attempt in items:
+            row = self.rows.get(uid)
+            if row is not None and row.progress[task][:2] == ("leased", attempt):
+                mine.append([uid, attempt])
+        if not mine:
+            return []
+        if drop:
+            return self._apply_all([self._drop_op([self.rows[u] for u, _ in mine], drop)])
+        return self._apply_all([{"op": "release", "task": task, "items": mine}])
+
+    def admit(
+        self, group: str, rows: int, version: int, *, now: float, timeout: float
+    ) -> tuple[list[Op], str]:
+        """May a producer holding weights ``version`` start generating ``rows`` for ``group``?
+
+        Returns ``(ops, verdict)`` with verdict ``"ok"``, ``"full"`` (wait for room),
+        ``"ahead"`` (wait for the trainer: generating now would go stale) or ``"behind"``
+        (the producer's weights are too old: sync weights first).
+        """
+        if group in self.admissions or group in self.groups:
+            return [], "ok"  # a retried admission
+        if not math.isinf(self.staleness) and version < self.version - self.staleness:
+            return [], "behind"
+        if self.room() < rows:
+            return [], "full"
+        if not math.isinf(self.staleness):
+            in_play = self.trained + len(self.rows) + self.admitted_rows()
+            if in_play + rows > (version + self.staleness + 1) * self.batch_size:
+                return [], "ahead"
+        op = {
+            "op": "admit",
+            "group": group,
+            "rows": rows,
+            "version": version,
+            "deadline": now + timeout,
+        }
+        return self._apply_all([op]), "ok"
+
+    def set_version(self, version: int) -> list[Op]:
+        """The trainer moved to ``version``; rows that can never be trained are dropped."""
+        if version <= self.version:
+            return []
+        ops: list[Op] = [{"op": "version", "version": version}]
+        self._apply(ops[0])
+        floor = self.min_version()
+        stale = [
+            r
+            for r in self.rows.values()
+            if r.version < floor and r.progress[self.trainer_task][0] == "pending"
+        ]
+        if stale:
+            ops.append(self._drop_op(stale, "stale"))
+            self._apply(ops[-1])
+        return ops
+
+    def expire(self, now: float) -> list[Op]:
+        """Ops that return expired leases' rows to the queue and cancel expired admissions."""
+        ops: list[Op] = []
+        for lease in list(self.leases.values()):
+            if lease.deadline <= now:
+                ops.append({"op": "expire", "id": lease.id})
+        for adm in list(self.admissions.values()):
+            if adm.deadline <= now:
+                ops.append({"op": "unadmit", "group": adm.group})
+        return self._apply_all(ops)
+
+    def extend_leases(self, now: float, grace: float) -> None:
+        """After a restart, give every recovered lease a fresh deadline (clocks moved on)."""
+        for lease in self.leases.values():
+            lease.deadline = max(lease.deadline, now + grace)
+        for adm in self.admissions.values():
+            adm.deadline = max(adm.deadline, now + grace)
+
+    def _drop_op(self, rows: list[Row], reason: str) -> Op:
+        # Whole groups go together, and rows of the group that arrive later are dropped too.
+        groups = sorted({r.group for r in rows})
+        uids = [u for g in groups for u in self.groups.get(g, ())]
+        return {"op": "drop", "uids": uids, "groups": groups, "reason": reason}
+
+    # ------------------------------------------------------------------ applying ops
+
+    def _apply_all(self, ops: list[Op]) -> list[Op]:
+        for op in ops:
+            self._apply(op)
+        return ops
+
+    def apply(self, op: Op, seq: int = 0) -> None:
+        """Apply one logged op (replay after a restart); ``seq`` is its log position."""
+        self._apply(op)
+        self.mark_seq([op], seq)
+
+    def _apply(self, op: Op) -> None:
+        kind = op["op"]
+        if kind == "put":
+            for r in op["rows"]:
+                self._insert(r)
+        elif kind == "columns":
+            row = self.rows.get(op["uid"])
+            if row is not None:
+                row.columns.update(op["columns"])
+                row.tokens = count_tokens(row.columns)
+        elif kind == "lease":
+            items = {}
+            for uid, attempt in op["items"]:
+                row = self.rows.get(uid)
+                if row is not None:
+                    row.progress[op["task"]] = ("leased", attempt, op["id"])
+                    items[uid] = attempt
+            self.leases[op["id"]] = Lease(op["id"], op["task"], op["holder"], op["deadline"], items)
+            self.next_lease = max(self.next_lease, op["id"] + 1)
+            self.counters["leases"] += 1
+        elif kind == "ack":
+            for uid, attempt in op["items"]:
+                self._ack_one(op["task"], uid, attempt)
+        elif kind == "release":
+            for uid, attempt in op["items"]:
+                row = self.rows.get(uid)
+                if row is not None:
+                    self._settle_lease(op["task"], uid)
+                    row.progress[op["task"]] = ("pending", attempt)
+            self.counters["released"] += len(op["items"])
+        elif kind == "expire":
+            lease = self.leases.pop(op["id"], None)
+            if lease is not None:
+                for uid, attempt in lease.items.items():
+                    row = self.rows.get(uid)
+                    if row is not None and row.progress[lease.task] == (
+                        "leased",
+                        attempt,
+                        lease.id,
+                    ):
+                        row.progress[lease.task] = ("pending", attempt)
+                self.counters["expired_leases"] += 1
+        elif kind == "drop":
+            for uid in op["uids"]:
+                self._remove(uid, finished=True)
+            for group in op.get("groups", ()):
+                self._remember(self.dropped_groups, group)
+                self.admissions.pop(group, None)
+            self.counters[f"dropped_{op['reason']}"] += len(op["uids"])
+        elif kind == "admit":
+            self.admissions[op["group"]] = Admission(
+                op["group"], op["rows"], op["version"], op["deadline"]
+            )
+            self.counters["admitted"] += op["rows"]
+        elif kind == "unadmit":
+            if self.admissions.pop(op["group"], None) is not None:
+                self.counters["expired_admissions"] += 1
+        elif kind == "version":
+            self.version = max(self.version, op["version"])
+        elif kind == "count":
+            self.counters[op["name"]] += op["n"]
+        elif kind == "state":
+            self._restore(op)
+        else:
+            raise BusError(f"unknown op {kind!r} in the bus log")
+
+    def _insert(self, r: dict[str, Any]) -> None:
+        if r["uid"] in self.rows or r["uid"] in self.finished:
+            return
+        if r["group"] in self.dropped_groups:  # the rest of its group was dropped already
+            self._remember(self.finished, r["uid"])
+            self.counters["dropped_with_group"] += 1
+            return
+        columns = dict(r.get("columns") or {})
+        row = Row(
+            uid=r["uid"],
+            group=r["group"],
+            group_size=int(r.get("group_size", 1)),
+            version=int(r["version"]),
+            columns=columns,
+            tokens=count_tokens(columns),
+            progress={t: ("pending", 0) for t in self.tasks},
+        )
+        self.rows[row.uid] = row
+        self.groups.setdefault(row.group, []).append(row.uid)
+        admission = self.admissions.get(row.group)
+        if admission is not None:  # the admitted work is arriving
+            admission.rows -= 1
+            if admission.rows <= 0:
+                del self.admissions[row.group]
+        self.counters["put"] += 1
+
+    def _ack_one(self, task: str, uid: str, attempt: int) -> None:
+        row = self.rows.get(uid)
+        if row is None or row.progress[task][0] == "acked":
+            return
+        self._settle_lease(task, uid)
+        row.progress[task] = ("acked", attempt)
+        self.counters[f"acked_{task}"] += 1
+        if task == self.trainer_task:
+            self.counters["trained"] += 1
+        if all(state[0] == "acked" for state in row.progress.values()):
+            self._remove(uid, finished=True)
+
+    def _settle_lease(self, task: str, uid: str) -> None:
+        state = self.rows[uid].progress[task]
+        if state[0] == "leased":
+            lease = self.leases.get(state[2])
+            if lease is not None:
+                lease.items.pop(uid, None)
+                if not lease.items:
+                    del self.leases[lease.id]
+
+    def _remove(self, uid: str, *, finished: bool) -> None:
+        row = self.rows.pop(uid, None)
+        if row is None:
+            return
+        for task in self.tasks:
+            if row.progress[task][0] == "leased":
+                lease = self.leases.get(row.progress[task][2])
+                if lease is not None:
+                    lease.items.pop(uid, None)
+                    if not lease.items:
+                        del self.leases[lease.id]
+        members = self.groups.get(row.group)
+        if members is not None:
+            members.remove(uid)
+            if not members:
+                del self.groups[row.group]
+        if finished:
+            self._remember(self.finished, uid)
+
+    def _remember(self, seen: OrderedDict[str, None], key: str) -> None:
+        seen[key] = None
+        while len(seen) > self.dedup_window:
+            seen.popitem(last=False)
+
+    # ------------------------------------------------------------------ compaction
+
+    def state_op(self) -> Op:
+        """A snapshot of everything but the rows themselves (rows keep their put records)."""
+        return {
+            "op": "state",
+            "version": self.version,
+            "next_lease": self.next_lease,
+            "counters": dict(self.counters),
+            "finished": list(self.finished),
+            "dropped_groups": list(self.dropped_groups),
+            "admissions": [
+                [a.group, a.rows, a.version, a.deadline] for a in self.admissions.values()
+            ],
+        }
+
+    def _restore(self, op: Op) -> None:
+        self.version = max(self.version, op["version"])
+        self.next_lease = max(self.next_lease, op["next_lease"])
+        self.counters = Counter(op["counters"])
+        for uid in op["finished"]:
+            self.finished[uid] = None
+            if uid in self.rows:
+                self._remove(uid, finished=False)
+        for group in op.get("dropped_groups", ()):
+            self.dropped_groups[group] = None
+        self.admissions = {g: Admission(g, n, v, d) for g, n, v, d in op["admissions"]}
+
+    def oldest_live_seq(self) -> int | None:
+        """Log position of the oldest row still in the table (segments before it may go)."""
+        return min((r.seq for r in self.rows.values()), default=None)
+
+    # ------------------------------------------------------------------ statistics
+
+    def statistics(self) -> dict[str, Any]:
+        by_task = {}
+        for task in self.tasks:
+            states = Counter(row.progress[task][0] for row in self.rows.values())
+            by_task[task] = {
+                "pending": states["pending"],
+                "leased": states["leased"],
+                "acked": states["acked"],
+                "lag": states["pending"] + states["leased"],
+            }
+        versions = Counter(row.version for row in self.rows.values())
+        return {
+            "rows": len(self.rows),
+            "capacity": self.capacity,
+            "groups": len(self.groups),
+            "leases": len(self.leases),
+            "admitted_rows": self.admitted_rows(),
+            "trainer_version": self.version,
+            "staleness": "inf" if math.isinf(self.staleness) else self.staleness,
+            "tasks": by_task,
+            "versions_in_flight": {str(v): n for v, n in sorted(versions.items())},
+            "counters": dict(self.counters),
+        }

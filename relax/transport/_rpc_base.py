@@ -1,0 +1,111 @@
+"""The RPC vocabulary shared by every transport: limits, peers, and the server/client interface.
+
+Transports (``_inproc``, ``_rpc_server``/``_rpc_client`` over NNG) implement :class:`Server` and
+:class:`Client`; :mod:`relax.transport._rpc` picks one by URL scheme.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, TypeVar
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size limits of one endpoint (not measured for ``inproc://``, which copies nothing).
+
+    Both ends enforce their own limits: the sender refuses to send a message above its
+    ``max_message_bytes`` (``MessageTooLarge`` before anything is sent), the receiver refuses to
+    reassemble one above its own. Frames are cut to the smaller ``frame_bytes`` of the two ends.
+    """
+
+    frame_bytes: int = 1 << 20
+    """Encoded messages above this travel as several frames (chunks) and are reassembled."""
+    max_message_bytes: int = 256 << 20
+    """Encoded messages above this raise ``relax.errors.MessageTooLarge`` at the sending side."""
+
+    def __post_init__(self) -> None:
+        if self.frame_bytes < 1024:
+            raise ValueError(f"frame_bytes must be at least 1024, got {self.frame_bytes}")
+        if self.max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes must be positive, got {self.max_message_bytes}")
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who sent a request, for logging and per-client state."""
+
+    id: str
+    """Stable client identity chosen by the client (survives reconnects)."""
+    address: str
+    """Where the request came from: ``tcp://127.0.0.1:53211``, ``ipc://...`` or ``inproc``."""
+
+
+Handler = Callable[[Any, Peer], Awaitable[Any]]
+"""A request handler: ``await handler(payload, peer)`` returns the reply payload or raises."""
+
+_T = TypeVar("_T")
+
+
+class _AsyncClosing:
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self: _T) -> _T:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+class Server(_AsyncClosing, abc.ABC):
+    """A running RPC server; made by :func:`relax.transport.serve`."""
+
+    url: str
+    """The actual URL clients connect to (a ``tcp://`` port 0 resolved to the real port)."""
+
+    @abc.abstractmethod
+    def statistics(self) -> dict[str, Any]:
+        """Counters: requests, replies, bytes_in, bytes_out, errors, auth_failures, bad_frames,
+        in_flight, clients (and a few transport-specific extras)."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Stop serving: handlers still running are cancelled, clients see the server gone."""
+
+
+class Client(_AsyncClosing, abc.ABC):
+    """A connection to an RPC server; made by :func:`relax.transport.connect`."""
+
+    url: str
+    client_id: str
+
+    @abc.abstractmethod
+    async def request(self, payload: Any, *, timeout: float | None = None) -> Any:
+        """Send ``payload``, wait for the handler's reply and return it.
+
+        Raises the handler's exception (rebuilt with ``relax.errors.error_from_dict``),
+        ``CallTimeout`` when ``timeout`` passes while connected, ``PeerGone`` when the server
+        stays away past ``timeout`` (or ``connect_timeout`` if no timeout is given),
+        ``MessageTooLarge`` before sending a payload above the limits, ``AuthFailed`` when the
+        secrets do not match.
+        """
+
+    @abc.abstractmethod
+    def statistics(self) -> dict[str, Any]:
+        """Counters: requests, replies, errors, timeouts, bytes_out, bytes_in, in_flight, ..."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Close the connection; requests still waiting fail with ``TransportError``."""

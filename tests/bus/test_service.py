@@ -1,0 +1,197 @@
+"""The bus service through its client: puts, takes, leases, waiting, weights, recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+import torch
+
+from relax.actors import ChildSpec, Supervisor
+from relax.bus import BusClient, BusService
+from relax.errors import AuthFailed, BusError, MessageTooLarge
+
+pytestmark = pytest.mark.anyio
+_names = itertools.count()
+
+
+def rows(group: str, n: int = 1, version: int = 0, **columns) -> list[dict]:
+    return [
+        {
+            "uid": f"{group}/{i}",
+            "group": group,
+            "group_size": n,
+            "version": version,
+            "columns": dict(columns),
+        }
+        for i in range(n)
+    ]
+
+
+async def start_bus(tmp_path=None, *, url: str | None = None, **kwargs) -> tuple[Supervisor, str]:
+    url = url or f"inproc://bus-{next(_names)}"
+    kwargs.setdefault("tasks", ["reward", "train"])
+    if tmp_path is not None:
+        kwargs.setdefault("run_dir", str(tmp_path))
+    sup = Supervisor([ChildSpec("bus", BusService, kwargs={"url": url, **kwargs})])
+    await sup.__aenter__()
+    return sup, await sup.ref("bus").call("address")
+
+
+async def test_rows_flow_through_two_tasks_and_finish(tmp_path) -> None:
+    sup, url = await start_bus(tmp_path)
+    try:
+        async with await BusClient.connect(url) as bus:
+            assert await bus.put(rows("g", 2, response_ids=torch.arange(4))) == 2
+            async with bus.take("reward", batch_size=8, columns=["response_ids"]) as batch:
+                assert len(batch) == 2 and torch.equal(
+                    batch.rows[0]["columns"]["response_ids"], torch.arange(4)
+                )
+                for row in batch.rows:
+                    await bus.add_columns(row["uid"], {"reward": 1.0})
+            async with bus.take(
+                "train", batch_size=8, columns=["reward"], whole_groups=True
+            ) as batch:
+                assert sorted(r["uid"] for r in batch.rows) == ["g/0", "g/1"]
+            stats = await bus.statistics()
+            assert stats["rows"] == 0 and stats["counters"]["trained"] == 2
+    finally:
+        await sup.__aexit__(None, None, None)
+
+
+async def test_a_block_that_raises_gives_its_rows_back(tmp_path) -> None:
+    sup, url = await start_bus(tmp_path)
+    try:
+        async with await BusClient.connect(url) as bus:
+            await bus.put(rows("g"))
+            with pytest.raises(RuntimeError):
+                async with bus.take("train", batch_size=1):
+                    raise RuntimeError("trainer step failed")
+            batch = await bus.take_batch("train", batch_size=1, wait=0)
+            assert batch.rows[0]["attempt"] == 2  # leased again, as a new attempt
+    finally:
+        await sup.__aexit__(None, None, None)
+
+
+async def test_take_waits_for_rows_and_put_waits_for_room(tmp_path) -> None:
+    sup, url = await start_bus(tmp_path, capacity=2, tasks=["train"])
+    try:
+        async with await BusClient.connect(url) as bus:
+            waiting = asyncio.create_task(bus.take_batch("train", batch_size=1, wait=10))
+            await bus.put(rows("a"))
+            batch = await asyncio.wait_for(waiting, 10)
+            assert [r["uid"] for r in batch.rows] == ["a/0"]
+            await bus.put(rows("b"))
+            blocked = asyncio.create_task(bus.put(rows("c"), wait=10))  # full: a (leased) and b
+            done, _ = await asyncio.wait({blocked}, timeout=0.2)
+            assert not done, "a put into a full bus must wait"
+            await bus.ack(batch)  # a finishes: room for c
+            assert await asyncio.wait_for(blocked, 10) == 1
+    finally:
+        await sup.__aexit__(None, None, None)
+
+
+async def test_admission_holds_producers_until_the_trainer_moves(tmp_path) -> None:
+    sup, url = await start_bus(tmp_path, tasks=["train"], staleness=0, batch_size=2)
+    try:
+        async with await BusClient.connect(url) as bus:
+            assert await bus.admit("g0", 2, version=0) == "ok"
+            assert await bus.admit("g1", 2, version=0, wait=0.1) == "ahead"
+            pending = asyncio.create_task(bus.admit("g1", 2, version=1, wait=10))
+            await bus.put(rows("g0", 2))
+            async with bus.take("train", batch_size=2, min_rows=2):
+                pass
+            await bus.set_trainer_version(1)
+            assert await asyncio.wait_for(pending, 10) == "ok"
+            assert await bus.admit("g2", 2, version=0) == "behind"
+    finally:
+        await sup.__aexit__(None, None, None)
+
+
+async def test_weights_round_trip_in_buckets_and_late_subscribers_get_the_current_version(
+    tmp_path,
+) -> None:
+    sup, url = await start_bus(tmp_path)
+    state = {f"layer{i}.weight": torch.randn(64, 64) for i in range(8)} | {
+        "emb": torch.randn(100, 8).bfloat16()
+    }
+    try:
+        async with await BusClient.connect(url) as trainer, await BusClient.connect(url) as rollout:
+            waiting = asyncio.create_task(rollout.poll_weights(after=-1, wait=10))
+            buckets = await trainer.publish_weights(1, state, bucket_bytes=40_000)
+            assert buckets > 1
+            version, got = await asyncio.wait_for(waiting, 10)
+            assert version == 1 and list(got) == list(state)
+            assert all(torch.equal(got[k], state[k]) for k in state)
+            newer = {k: v + 1 for k, v in state.items()}
+            await trainer.publish_weights(2, newer, bucket_bytes=40_000)
+            version, got = await rollout.poll_weights(after=-1)  # a late joiner: current first
+            assert version == 2 and torch.equal(got["emb"], newer["emb"])
+            assert await rollout.poll_weights(after=2, wait=0.1) is None
+            assert (await trainer.statistics())["trainer_version"] == 2
+            with pytest.raises(BusError, match="not newer"):
+                await trainer.publish_weights(2, state)
+    finally:
+        await sup.__aexit__(None, None, None)
+
+
+async def test_a_restarted_bus_recovers_rows_leases_versions_and_weights(tmp_path) -> None:
+    sup, url = await start_bus(tmp_path, url="ipc://" + str(tmp_path / "bus.sock"), staleness="inf")
+    try:
+        async with await BusClient.connect(url) as bus:
+            await bus.put(rows("a", 2) + rows("b"))
+            batch = await bus.take_batch("reward", batch_size=2)
+            await bus.add_columns("b/0", {"reward": 0.5})
+            await bus.publish_weights(3, {"w": torch.ones(3)})
+            await sup.restart_child("bus")  # stop + start: replays the log
+            after = await bus.statistics()  # the same client reconnects by itself
+            assert after["rows"] == 3 and after["trainer_version"] == 3 and after["leases"] == 1
+            assert await bus.ack(batch) == 2  # the lease survived the restart
+            version, weights = await bus.poll_weights()
+            assert version == 3 and torch.equal(weights["w"], torch.ones(3))
+            async with bus.take("train", batch_size=8, columns=["reward"]) as got:
+                assert [r["uid"] for r in got.rows] == ["b/0"]
+    finally:
+        await sup.__aexit__(None, None, None)
+
+
+async def test_wrong_secret_can_neither_put_nor_take(tmp_path) -> None:
+    secret = "s" * 32
+    sup, url = await start_bus(tmp_path, url="tcp://127.0.0.1:0", secret=secret)
+    try:
+        async with await BusClient.connect(url, secret=secret) as bus:
+            await bus.put(rows("a"))
+        with pytest.raises(AuthFailed):
+            intruder = await BusClient.connect(url, secret="x" * 32, connect_timeout=3)
+            try:
+                await intruder.put(rows("evil"))
+            finally:
+                await intruder.aclose()
+        with pytest.raises(AuthFailed):
+            intruder = await BusClient.connect(url, secret="x" * 32, connect_timeout=3)
+            try:
+                await intruder.take_batch("train", batch_size=1)
+            finally:
+                await intruder.aclose()
+        async with await BusClient.connect(url, secret=secret) as bus:
+            stats = await bus.statistics()
+            assert stats["rows"] == 1  # nothing the intruder sent reached the bus
+    finally:
+        await sup.__aexit__(None, None, None)
+
+
+async def test_oversized_messages_are_refused_at_the_sender(tmp_path) -> None:
+    from relax.transport import Limits
+
+    sup, url = await start_bus(
+        tmp_path, url="tcp://127.0.0.1:0", frame_bytes=1 << 16, max_message_bytes=1 << 20
+    )
+    try:
+        limits = Limits(frame_bytes=1 << 16, max_message_bytes=1 << 20)
+        async with await BusClient.connect(url, limits=limits) as bus:
+            with pytest.raises(MessageTooLarge):
+                await bus.put(rows("big", blob=torch.zeros(1 << 19)))  # 2 MB of float32
+            assert await bus.put(rows("ok", blob=torch.zeros(1 << 16))) == 1  # 256 KB: chunked
+    finally:
+        await sup.__aexit__(None, None, None)

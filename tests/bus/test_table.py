@@ -1,0 +1,167 @@
+"""The bus table on its own: rows, leases, acks, admission and staleness, deterministic."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from relax.bus._table import BusTable, ColumnConflict, UnknownTask
+from relax.errors import BusError
+
+
+def rows(group: str, n: int, version: int = 0, **columns) -> list[dict]:
+    return [
+        {
+            "uid": f"{group}-{i}",
+            "group": group,
+            "group_size": n,
+            "version": version,
+            "columns": dict(columns),
+        }
+        for i in range(n)
+    ]
+
+
+def table(**kw) -> BusTable:
+    kw.setdefault("tasks", ("reward", "train"))
+    return BusTable(**kw)
+
+
+def test_put_is_idempotent_and_bounded() -> None:
+    t = table(capacity=4)
+    assert t.put(rows("g", 2))
+    assert t.put(rows("g", 2)) == [{"op": "count", "name": "duplicate_puts", "n": 2}]
+    assert len(t.rows) == 2
+    assert t.put(rows("h", 3)) is None  # would exceed capacity: wait
+    with pytest.raises(BusError, match="never fit"):
+        t.put(rows("big", 5))
+
+
+def test_tasks_take_the_same_rows_independently_and_rows_finish_when_all_acked() -> None:
+    t = table()
+    t.put(rows("g", 2, response_ids=[1, 2]))
+    _, reward = t.take("reward", columns=("response_ids",), batch_size=8)
+    assert reward is not None and sorted(reward.items) == ["g-0", "g-1"]
+    _, train = t.take("train", columns=("reward",), batch_size=8)
+    assert train is None  # no reward column yet
+    for uid in reward.items:
+        t.add_columns(uid, {"reward": 1.0})
+    t.ack("reward", list(reward.items.items()))
+    _, train = t.take("train", columns=("reward",), batch_size=8)
+    assert train is not None
+    _, n = t.ack("train", list(train.items.items()))
+    assert n == 2 and not t.rows and t.trained == 2
+    assert t.put(rows("g", 2)) == [
+        {"op": "count", "name": "duplicate_puts", "n": 2}
+    ]  # finished uids
+
+
+def test_columns_are_write_once() -> None:
+    t = table()
+    t.put(rows("g", 1))
+    t.add_columns("g-0", {"x": torch.arange(3)})
+    assert t.add_columns("g-0", {"x": torch.arange(3)}) == []  # identical retry: fine
+    with pytest.raises(ColumnConflict):
+        t.add_columns("g-0", {"x": torch.zeros(3)})
+
+
+def test_expired_lease_returns_rows_and_late_ack_of_old_attempt_is_ignored() -> None:
+    t = table(tasks=("train",))
+    t.put(rows("g", 1))
+    _, first = t.take("train", batch_size=1, lease_timeout=10, now=0)
+    assert first is not None and first.items == {"g-0": 1}
+    t.expire(now=11)
+    _, second = t.take("train", batch_size=1, lease_timeout=10, now=11)
+    assert second is not None and second.items == {"g-0": 2}
+    _, n = t.ack("train", [("g-0", 1)])  # the first holder wakes up late
+    assert n == 0 and t.counters["ignored_acks"] == 1
+    _, n = t.ack("train", [("g-0", 2)])
+    assert n == 1 and t.trained == 1
+    _, n = t.ack("train", [("g-0", 2)])  # acked twice counts once
+    assert n == 0 and t.trained == 1
+
+
+def test_whole_groups_only_and_token_budget() -> None:
+    t = table(tasks=("train",))
+    t.put(rows("a", 2, response_ids=[1] * 10)[:1])  # half a group
+    t.put(rows("b", 2, response_ids=[1] * 10))
+    _, lease = t.take("train", batch_size=8, whole_groups=True)
+    assert lease is not None and sorted(lease.items) == ["b-0", "b-1"]
+    t2 = table(tasks=("train",))
+    t2.put(rows("x", 1, response_ids=[1] * 30))
+    t2.put(rows("y", 1, response_ids=[1] * 5))
+    _, lease = t2.take("train", batch_size=8, token_budget=20)
+    assert lease is not None and list(lease.items) == ["y-0"]
+    assert (
+        t2.counters["dropped_oversized"] == 1
+    )  # larger than the whole budget: rejected, not stuck
+
+
+def test_trainer_never_receives_stale_rows() -> None:
+    t = table(tasks=("train",), staleness=1)
+    t.put(rows("old", 2, version=0))
+    t.put(rows("new", 2, version=2))
+    t.set_version(2)  # floor = 1: version-0 rows can never be trained
+    assert t.counters["dropped_stale"] == 2
+    _, lease = t.take("train", batch_size=8)
+    assert lease is not None and sorted(lease.items) == ["new-0", "new-1"]
+
+
+def test_dropping_a_row_drops_its_group_and_its_latecomers() -> None:
+    t = table(tasks=("train",))
+    t.put(rows("g", 3)[:2])
+    t.take("train", batch_size=1)
+    t.release("train", [("g-0", 1)], drop="reward_failed")
+    assert not t.rows and t.counters["dropped_reward_failed"] == 2
+    t.put(rows("g", 3)[2:])
+    assert not t.rows and t.counters["dropped_with_group"] == 1
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 3])
+def test_admission_paces_producers(staleness) -> None:
+    t = table(tasks=("train",), staleness=staleness, batch_size=4, capacity=100)
+    granted = 0
+    while t.admit(f"g{granted}", 1, version=0, now=0, timeout=60)[1] == "ok":
+        granted += 1
+    assert granted == (staleness + 1) * 4
+    assert t.admit("late", 1, version=0, now=0, timeout=60)[1] == "ahead"
+    t.set_version(staleness + 1)
+    assert t.admit("old-weights", 1, version=0, now=0, timeout=60)[1] == "behind"
+
+
+def test_admission_is_bounded_by_capacity_when_fully_async() -> None:
+    t = table(tasks=("train",), staleness=math.inf, capacity=3)
+    verdicts = [t.admit(f"g{i}", 1, version=0, now=0, timeout=60)[1] for i in range(4)]
+    assert verdicts == ["ok", "ok", "ok", "full"]
+    t.expire(now=61)  # the producer died: its admissions come back
+    assert t.admitted_rows() == 0
+
+
+def test_unknown_task_is_refused() -> None:
+    with pytest.raises(UnknownTask):
+        table().take("nope", batch_size=1)
+
+
+def test_replaying_ops_rebuilds_the_same_state() -> None:
+    t = table(staleness=2, batch_size=2)
+    log = []
+    log += t.admit("g", 2, 0, now=0, timeout=60)[0]
+    log += t.put(rows("g", 2, response_ids=[1, 2]))
+    ops, _ = t.take("reward", columns=("response_ids",), batch_size=2, now=0)
+    log += ops
+    log += t.add_columns("g-0", {"reward": 1.0})
+    log += t.ack("reward", [("g-0", 1)])[0]
+    log += t.set_version(1)
+    replica = table(staleness=2, batch_size=2)
+    for op in log:
+        replica.apply(op)
+    assert replica.statistics() == t.statistics()
+    assert replica.rows["g-0"].columns == t.rows["g-0"].columns
+    snap = t.state_op()
+    fresh = table(staleness=2, batch_size=2)
+    fresh.apply(log[1])  # the put record is kept; the scalar history is in the state op
+    fresh.apply(log[2])
+    fresh.apply(snap)
+    assert fresh.version == 1 and fresh.counters == t.counters
