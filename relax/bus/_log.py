@@ -39,6 +39,7 @@ serialised by a lock, so appending from an executor thread is safe.
 
 from __future__ import annotations
 
+import concurrent.futures
 import fcntl
 import os
 import re
@@ -198,6 +199,8 @@ class SegmentLog:
         self._broken = ""
         self._dirty = False  # written since the last fsync
         self._fd = -1
+        self._sealer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="relax-log-seal")
+        self._sealing: list[concurrent.futures.Future[None]] = []
         self._stats = {
             "appended": 0,
             "fsyncs": 0,
@@ -313,14 +316,32 @@ class SegmentLog:
         return _Segment(first_seq, path, 0, 0)
 
     def _rotate(self) -> None:
-        # Seal the old segment durably before its successor exists: after a power loss a later
-        # segment must never be present while an earlier one lost its tail.
-        self._sync_locked()
+        # Seal the old segment before its successor fills: after a power loss a later segment
+        # should not be present while an earlier one lost its tail. With fsync="always" the
+        # seal is synchronous; with "checkpoint" it runs on a background thread, so appends
+        # never stall on flushing a whole segment (the next sync() waits for it).
+        old_fd, dirty = self._fd, self._dirty
         segment = self._create_segment(self._next_seq)
-        fd = os.open(segment.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-        os.close(self._fd)
-        self._fd = fd
+        self._fd = os.open(segment.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         self._segments.append(segment)
+        self._dirty = False
+        if not (self._durable and dirty):
+            os.close(old_fd)
+        elif self._fsync_mode == "always":
+            self._seal(old_fd)
+        else:
+            self._sealing.append(self._sealer.submit(self._seal, old_fd))
+
+    def _seal(self, fd: int) -> None:
+        try:
+            _sync_data(fd)
+            self._stats["fsyncs"] += 1
+        finally:
+            os.close(fd)
+
+    def _wait_sealed(self) -> None:
+        while self._sealing:
+            self._sealing.pop(0).result()
 
     def _write(self, buffers: list[Any], total: int) -> None:
         """Write every buffer, in order, with as few ``writev`` calls as the kernel allows.
@@ -435,6 +456,7 @@ class SegmentLog:
     # ------------------------------------------------------------------ durability
 
     def _sync_locked(self) -> None:
+        self._wait_sealed()
         if self._durable and self._dirty:
             _sync_data(self._fd)
             self._stats["fsyncs"] += 1
@@ -533,6 +555,7 @@ class SegmentLog:
 
     def _release(self) -> None:
         self._closed = True
+        self._sealer.shutdown(wait=True)
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -13,6 +13,7 @@ the table to change. That is the bus's backpressure.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import time
 from pathlib import Path
@@ -26,8 +27,8 @@ from relax.errors import BusError
 from relax.transport import Limits, Peer, dumps, loads, serve
 from relax.transport._wire import dumps_parts
 
-# Keep the log short: compact (snapshot scalars, drop dead segments) every this many records.
-_COMPACT_EVERY = 4096
+# Log writes below this size happen inline; larger ones on the writer thread.
+_INLINE_WRITE_BYTES = 64 << 10
 
 
 class BusService(Actor):
@@ -51,9 +52,10 @@ class BusService(Actor):
         segment_bytes: int = 64 << 20,
         fsync: str = "checkpoint",
         secret: str | None = None,
-        frame_bytes: int = 1 << 20,
+        frame_bytes: int = 4 << 20,
         max_message_bytes: int = 256 << 20,
         keep_weight_versions: int = 2,
+        compact_every: int = 4096,
     ) -> None:
         self.url = url
         self.run_dir = run_dir
@@ -78,6 +80,10 @@ class BusService(Actor):
         self.log_file: SegmentLog | None = None
         self.server: Any = None
         self.changed = asyncio.Condition()
+        self.writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="relax-bus-log")
+        self.writes_pending = 0
+        self.next_seq = 0  # the log position the next record will get
+        self.compact_every = compact_every  # records between compactions: keeps the log short
         self.since_compact = 0
         self.stats = {"bytes_in": 0, "bytes_out": 0, "requests": 0, "recovered_records": 0}
 
@@ -93,6 +99,7 @@ class BusService(Actor):
             for seq, record in self.log_file.replay():
                 self.table.apply(loads(record), seq)
                 self.stats["recovered_records"] += 1
+            self.next_seq = self.log_file.statistics()["next_seq"]
             self.table.extend_leases(time.time(), self.lease_timeout)
             self.weights.recover()
             if self.stats["recovered_records"]:
@@ -101,7 +108,10 @@ class BusService(Actor):
                     records=self.stats["recovered_records"],
                     rows=len(self.table.rows),
                 )
-        self.server = await serve(self.url, self.handle, secret=self.secret, limits=self.limits)
+        # Tensors stay in wire form here: stored, logged and sent on without a decode copy.
+        self.server = await serve(
+            self.url, self.handle, secret=self.secret, limits=self.limits, raw_tensors=True
+        )
         self.log.info("bus serving", url=self.server.url)
 
     async def run(self) -> None:
@@ -122,6 +132,7 @@ class BusService(Actor):
         if self.server is not None:
             await self.server.aclose()
             self.server = None
+        self.writer.shutdown(wait=True)  # every accepted write lands before the log closes
         if self.log_file is not None:
             self.log_file.close()  # syncs: a clean shutdown is durable even with fsync="checkpoint"
             self.log_file = None
@@ -135,7 +146,7 @@ class BusService(Actor):
     async def checkpoint(self) -> None:
         """A checkpoint boundary: make the log durable on disk (fsync)."""
         if self.log_file is not None:
-            self.log_file.sync()
+            await asyncio.get_running_loop().run_in_executor(self.writer, self.log_file.sync)
 
     def statistics(self) -> dict[str, Any]:
         stats = self.table.statistics()
@@ -311,25 +322,50 @@ class BusService(Actor):
             self.changed.notify_all()
 
     async def _log(self, ops: list[Op]) -> None:
+        """Append ``ops`` to the log; returns once they are written (page cache, or disk with
+        ``fsync="always"``), which is when the caller may be answered.
+
+        Records are handed to one writer thread in the order the ops were applied (this runs
+        without yielding between the table change and the submission), so the log replays in
+        the same order, while the event loop keeps serving other clients during a large write.
+        """
         if self.log_file is None or not ops:
             return
         records = [dumps_parts(op) for op in ops]  # tensors go to the log without a join copy
-        last = self.log_file.append_many(records)
-        # Each put op's rows remember their own record's position (the log counts per record).
-        for i, op in enumerate(ops):
+        for op in ops:
+            seq = self.next_seq
+            self.next_seq += 1
             if op["op"] == "put":
-                self.table.mark_seq([op], last - (len(ops) - 1 - i))
+                self.table.mark_seq([op], seq)
         self.since_compact += len(records)
-        if self.since_compact >= _COMPACT_EVERY:
-            self._compact()
+        compact = self.since_compact >= self.compact_every
+        if compact:
+            self.since_compact = 0
+            state_seq = self.next_seq
+            self.next_seq += 1
+            oldest = self.table.oldest_live_seq()
+            watermark = state_seq if oldest is None else min(oldest, state_seq)
+            records.append(dumps(self.table.state_op()))
+        size = sum(
+            memoryview(p).nbytes for r in records for p in (r if isinstance(r, list) else [r])
+        )
+        if size < _INLINE_WRITE_BYTES and self.writes_pending == 0:
+            self._write(records, watermark if compact else None)  # small: a thread hop costs more
+            return
+        self.writes_pending += 1
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self.writer, self._write, records, watermark if compact else None
+            )
+        finally:
+            self.writes_pending -= 1
 
-    def _compact(self) -> None:
-        """Write the scalar state, then delete segments nothing live depends on any more."""
+    def _write(self, records: list[Any], release_before: int | None) -> None:
         assert self.log_file is not None
-        self.since_compact = 0
-        state_seq = self.log_file.append(dumps(self.table.state_op()))
-        oldest = self.table.oldest_live_seq()
-        watermark = state_seq if oldest is None else min(oldest, state_seq)
-        deleted = self.log_file.release_before(watermark)
-        if deleted:
-            self.log.debug("bus log compacted", segments_deleted=deleted, watermark=watermark)
+        self.log_file.append_many(records)
+        if release_before is not None:
+            deleted = self.log_file.release_before(release_before)
+            if deleted:
+                self.log.debug(
+                    "bus log compacted", segments_deleted=deleted, watermark=release_before
+                )

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relax.errors import BusError
+from relax.transport import RawTensor
 
 Op = dict[str, Any]
 Item = tuple[str, int]  # (uid, attempt): what a lease hands out and an ack must quote back
@@ -85,11 +86,18 @@ def count_tokens(columns: dict[str, Any]) -> int:
 
 
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, RawTensor) or isinstance(b, RawTensor):
+        return _plain(a) == _plain(b)
     if hasattr(a, "shape") and hasattr(b, "shape"):
         import torch
 
         return bool(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
     return bool(a == b)
+
+
+def _plain(value: Any) -> Any:
+    """A value the table can compare or read (the bus keeps tensors in wire form)."""
+    return value.to_torch().tolist() if isinstance(value, RawTensor) else value
 
 
 class BusTable:
@@ -462,11 +470,16 @@ class BusTable:
             self.counters["dropped_with_group"] += 1
             return
         columns = dict(r.get("columns") or {})
+        version = int(r["version"])
+        per_token = _plain(columns.get("token_versions"))
+        if per_token is not None and len(per_token):
+            # A generation that spanned a weight update is as stale as its oldest token.
+            version = min(version, int(min(per_token)))
         row = Row(
             uid=r["uid"],
             group=r["group"],
             group_size=int(r.get("group_size", 1)),
-            version=int(r["version"]),
+            version=version,
             columns=columns,
             tokens=count_tokens(columns),
             progress={t: ("pending", 0) for t in self.tasks},

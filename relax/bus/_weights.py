@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from relax.errors import BusError
+from relax.transport import RawTensor
 
 
 class VersionGone(BusError):
@@ -58,7 +59,7 @@ class WeightStore:
             raise BusError(f"bucket {index} out of range for version {version}")
         pending["buckets"][index] = tensors
         self.stats["buckets_in"] += 1
-        self.stats["bytes_in"] += sum(t.numel() * t.element_size() for t in tensors.values())
+        self.stats["bytes_in"] += sum(_nbytes(t) for t in tensors.values())
 
     def commit(self, version: int) -> None:
         pending = self.open.pop(version, None)
@@ -88,7 +89,7 @@ class WeightStore:
             raise BusError(f"weight version {version} travels over a tensor group, not the bus")
         tensors = entry["buckets"][index]
         self.stats["buckets_out"] += 1
-        self.stats["bytes_out"] += sum(t.numel() * t.element_size() for t in tensors.values())
+        self.stats["bytes_out"] += sum(_nbytes(t) for t in tensors.values())
         return {"version": version, "index": index, "tensors": tensors}
 
     def statistics(self) -> dict[str, Any]:
@@ -102,7 +103,7 @@ class WeightStore:
         assert self.directory is not None
         self.directory.mkdir(parents=True, exist_ok=True)
         flat = {
-            f"{i}/{name}": t.contiguous()
+            f"{i}/{name}": _torch(t)
             for i, b in enumerate(entry["buckets"])
             for name, t in b.items()
         }
@@ -132,3 +133,13 @@ class WeightStore:
                 index, name = key.split("/", 1)
                 buckets[int(index)][name] = f.get_tensor(key)
         self.committed[int(meta["version"])] = {"meta": info, "buckets": buckets}
+
+
+def _nbytes(tensor: Any) -> int:
+    return (
+        tensor.nbytes if isinstance(tensor, RawTensor) else tensor.numel() * tensor.element_size()
+    )
+
+
+def _torch(tensor: Any) -> Any:
+    return tensor.to_torch() if isinstance(tensor, RawTensor) else tensor.contiguous()

@@ -166,7 +166,7 @@ class BusConfig(ConfigModel):
     """How roles reach the bus: "inproc" (same process), "ipc" (same machine), "tcp" (across machines), or "auto" (inproc when every child is inproc, tcp when any uses Ray, ipc otherwise)."""
     capacity: PositiveInt = 1024
     """Most sample rows the bus holds; producers wait when it is full. At least `trainer.global_batch_size`."""
-    frame_bytes: PositiveInt = 1 << 20
+    frame_bytes: PositiveInt = 4 << 20
     """Size, in bytes, of the frames large messages are split into on the wire."""
     max_message_bytes: PositiveInt = 256 << 20
     """Largest message, in bytes, the bus accepts; at least `frame_bytes`."""

@@ -15,6 +15,7 @@ as over the network: a client with a secret refuses a server without one).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import math
 from typing import Any
@@ -102,10 +103,13 @@ class InprocServer(Server):
 
     async def _run(self, payload: Any, peer: Peer, future: asyncio.Future[Any]) -> None:
         self._stats["requests"] += 1
-        self._in_flight += 1
         try:
             async with self._sem:
-                result = await self._handler(payload, peer)
+                self._in_flight += 1  # running handlers, as over NNG (waiting ones queue)
+                try:
+                    result = await self._handler(payload, peer)
+                finally:
+                    self._in_flight -= 1
         except asyncio.CancelledError:
             if self._closed:
                 future.set_exception(_ServerGone())
@@ -118,8 +122,18 @@ class InprocServer(Server):
         else:
             self._stats["replies"] += 1
             future.set_result(result)
-        finally:
-            self._in_flight -= 1
+
+
+def _relay(waiter: asyncio.Future[Any], future: asyncio.Future[Any]) -> None:
+    """Pass the handler's outcome on to a client still waiting for it."""
+    if waiter.done():
+        return
+    if future.cancelled():
+        waiter.set_exception(_ServerGone())
+    elif future.exception() is not None:
+        waiter.set_exception(future.exception())  # type: ignore[arg-type]
+    else:
+        waiter.set_result(future.result())
 
 
 def _rebuilt(exc: BaseException) -> BaseException:
@@ -159,6 +173,7 @@ class InprocClient(Client):
         self._met: InprocServer | None = None
         self._closed = False
         self._in_flight = 0
+        self._waiters: set[asyncio.Future[Any]] = set()
         self._stats = dict.fromkeys(("requests", "replies", "errors", "timeouts", "peer_gone"), 0)
 
     async def start(self) -> None:
@@ -179,6 +194,9 @@ class InprocClient(Client):
         self._closed = True
         if self._met is not None:
             self._met._clients.discard(id(self))
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_exception(TransportError(f"client of {self.url} is closed"))
 
     def statistics(self) -> dict[str, Any]:
         return {
@@ -213,16 +231,24 @@ class InprocClient(Client):
                     future = server._submit(payload, self._peer)
                 except _ServerGone:
                     continue
-                with anyio.move_on_after(remaining) as scope:
-                    try:
-                        result = await asyncio.shield(future)
-                    except _ServerGone:
-                        continue
-                    except Exception:
-                        self._stats["errors"] += 1
-                        raise
-                    self._stats["replies"] += 1
-                    return result
+                # Our own waiter: cancelling it (a timeout, the caller) leaves the handler be,
+                # and aclose() can fail it.
+                waiter: asyncio.Future[Any] = loop.create_future()
+                future.add_done_callback(functools.partial(_relay, waiter))
+                self._waiters.add(waiter)
+                try:
+                    with anyio.move_on_after(remaining) as scope:
+                        try:
+                            result = await waiter
+                        except _ServerGone:
+                            continue
+                        except Exception:
+                            self._stats["errors"] += 1
+                            raise
+                        self._stats["replies"] += 1
+                        return result
+                finally:
+                    self._waiters.discard(waiter)
                 if scope.cancelled_caught:
                     self._stats["timeouts"] += 1
                     raise CallTimeout(f"no reply from {self.url} within {timeout}s")

@@ -58,8 +58,13 @@ async def serve(
     secret: str | bytes | None = None,
     limits: Limits = DEFAULT_LIMITS,
     concurrency: int = 64,
+    raw_tensors: bool = False,
 ) -> Server:
     """Serve ``handler`` at ``url`` until the returned server is closed.
+
+    With ``raw_tensors`` the handler receives tensors as ``RawTensor`` views of the received
+    frame (no copy, no torch): for services that store and forward tensors without reading
+    them. ``inproc://`` hands objects over as they are either way.
 
     ``tcp://`` binds exactly where the URL says and refuses (``ValueError``) a non-loopback
     host without a ``secret``. At most ``concurrency`` handlers run at once; further requests
@@ -73,7 +78,9 @@ async def serve(
         inproc.start()
         return inproc
     check_bind(url, key)
-    server = NngServer(url, handler, secret=key, limits=limits, concurrency=concurrency)
+    server = NngServer(
+        url, handler, secret=key, limits=limits, concurrency=concurrency, raw_tensors=raw_tensors
+    )
     await server.start()
     return server
 

@@ -77,8 +77,16 @@ class Server(_AsyncClosing, abc.ABC):
 
     @abc.abstractmethod
     def statistics(self) -> dict[str, Any]:
-        """Counters: requests, replies, bytes_in, bytes_out, errors, auth_failures, bad_frames,
-        in_flight, clients (and a few transport-specific extras)."""
+        """Counters and gauges, all transports:
+
+        ``requests`` handler runs, ``replies`` replies sent (errors included), ``errors``
+        handler errors sent back, ``bytes_in``/``bytes_out`` payload bytes of frames (0 for
+        inproc), ``auth_failures`` refused handshakes and unauthenticated requests,
+        ``bad_frames`` malformed frames dropped, ``in_flight`` handlers running now,
+        ``clients`` client sessions known. NNG servers add ``duplicates`` (resends answered
+        from the dedup state), ``frames_in``/``frames_out``, ``partials`` (uploads being
+        reassembled), ``partials_dropped`` and ``connections``.
+        """
 
     @abc.abstractmethod
     async def aclose(self) -> None:
@@ -104,7 +112,12 @@ class Client(_AsyncClosing, abc.ABC):
 
     @abc.abstractmethod
     def statistics(self) -> dict[str, Any]:
-        """Counters: requests, replies, errors, timeouts, bytes_out, bytes_in, in_flight, ..."""
+        """Counters and gauges: ``requests``, ``replies`` (successful), ``errors`` (handler
+        errors received), ``timeouts`` (``CallTimeout``), ``peer_gone``, ``bytes_out``/
+        ``bytes_in``, ``in_flight`` (requests waiting), ``connected``. NNG clients add
+        ``frames_out``/``frames_in``, ``restarts`` (requests sent again from the start),
+        ``handshakes`` and ``reconnects``.
+        """
 
     @abc.abstractmethod
     async def aclose(self) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
-import math
 import os
 from typing import Any
 
@@ -55,6 +54,7 @@ from relax.transport._rpc_frames import (
     REHELLO,
     RESTART,
     RESULT,
+    SESSION_BYTES,
     TOO_LARGE,
     UNAUTHENTICATED,
     WELCOME,
@@ -64,12 +64,38 @@ from relax.transport._rpc_frames import (
     message,
     parse,
 )
-from relax.transport._rpc_server import SESSION_BYTES
 from relax.transport._wire import loads
 
 MAX_RESTARTS = 100
 """Times one request may start over (reconnects, a restarted server) before giving up."""
 _AGAIN_CODES = frozenset({UNAUTHENTICATED, RESTART, GONE, REHELLO})
+
+
+class _Deadline:
+    """Cancels a request's task when its deadline passes, and knows that it did.
+
+    What ``asyncio.timeout`` does, minus its cost, plus a deadline that moves: requests
+    without a timeout get one only while the connection is down (``connect_timeout``).
+    """
+
+    __slots__ = ("fired", "handle", "task")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.handle: asyncio.TimerHandle | None = None
+        self.fired = False
+
+    def move(self, loop: asyncio.AbstractEventLoop, when: float | None) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+        if when is not None and not self.fired:
+            self.handle = loop.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self.handle = None
+        self.fired = True
+        self.task.cancel()
 
 
 class _Again(Exception):
@@ -106,8 +132,9 @@ class NngClient(Client):
         self._waiting: set[int] = set()
         self._heap: list[int] = []  # rids of `_waiting` (and finished ones, popped lazily)
         self._acks: list[int] = []  # finished rids the server may still hold replies for
-        self._unbounded: set[anyio.CancelScope] = set()  # deadlines of requests w/o timeout
+        self._unbounded: set[_Deadline] = set()  # deadlines of requests without a timeout
         self._pipes: set[int] = set()
+        self._trusted: set[int] = set()  # connections on which the server proved its secret
         self._ever_connected = False
         self._auth_lock = asyncio.Lock()
         self._auth_epoch = 0
@@ -189,15 +216,16 @@ class NngClient(Client):
             self._stats["reconnects"] += 1
         self._pipes.add(pipe_id)
         self._ever_connected = True
-        for scope in self._unbounded:
-            scope.deadline = math.inf
+        for deadline in self._unbounded:
+            deadline.move(self._loop, None)
 
     def _pipe_down(self, pipe_id: int) -> None:
         self._pipes.discard(pipe_id)
+        self._trusted.discard(pipe_id)
         if not self._pipes and not self._closed:
-            deadline = self._loop.time() + self._connect_timeout
-            for scope in self._unbounded:
-                scope.deadline = deadline
+            when = self._loop.time() + self._connect_timeout
+            for deadline in self._unbounded:
+                deadline.move(self._loop, when)
 
     # ------------------------------------------------------------------ requests
 
@@ -217,29 +245,35 @@ class NngClient(Client):
         self._waiting.add(rid)
         heapq.heappush(self._heap, rid)
         self._stats["requests"] += 1
-        scope = anyio.CancelScope()
+        task = asyncio.current_task()
+        assert task is not None
+        deadline = _Deadline(task)
         if timeout is not None:
-            scope.deadline = self._loop.time() + timeout
+            deadline.move(self._loop, self._loop.time() + timeout)
         else:
-            self._unbounded.add(scope)
+            self._unbounded.add(deadline)
             if not self._pipes:
-                scope.deadline = self._loop.time() + self._connect_timeout
+                deadline.move(self._loop, self._loop.time() + self._connect_timeout)
         try:
-            with scope:
-                return await self._run(rid, parts, size)
-            # Only reached when the deadline cancelled the request.
-            if timeout is None or not self._pipes:
-                self._stats["peer_gone"] += 1
-                waited = self._connect_timeout if timeout is None else timeout
-                raise PeerGone(f"RPC server at {self.url} unreachable for {waited}s")
-            self._stats["timeouts"] += 1
-            raise CallTimeout(f"no reply from {self.url} within {timeout}s")
+            return await self._run(rid, parts, size)
+        except asyncio.CancelledError:
+            if not deadline.fired:
+                raise  # someone else cancelled us
+            if hasattr(task, "uncancel"):  # Python 3.11+: the cancellation was ours, undo it
+                task.uncancel()
         finally:
-            self._unbounded.discard(scope)
+            deadline.move(self._loop, None)
+            self._unbounded.discard(deadline)
             self._waiting.discard(rid)
             self._acks.append(rid)
             if len(self._heap) > 2 * len(self._waiting) + 1024:  # one request stuck for long
                 self._heap = sorted(self._waiting)
+        if timeout is None or not self._pipes:
+            self._stats["peer_gone"] += 1
+            waited = self._connect_timeout if timeout is None else timeout
+            raise PeerGone(f"RPC server at {self.url} unreachable for {waited}s")
+        self._stats["timeouts"] += 1
+        raise CallTimeout(f"no reply from {self.url} within {timeout}s")
 
     def _ack_below(self) -> int:
         """The lowest request id still waiting: the server may forget replies below it."""
@@ -276,7 +310,7 @@ class NngClient(Client):
                 del self._acks[:MAX_ACKS]
             header = [PART, self.client_id, self._session, rid, floor, acks]
             header += [offset, size, self._limits.frame_bytes]
-            head, body = await self._exchange(header, parts, offset, n)
+            head, body = self._trust(*await self._exchange(header, parts, offset, n))
             if head[0] == RESULT:
                 break
             if head[0] == ACK and offset + n < size:
@@ -298,7 +332,7 @@ class NngClient(Client):
         del body
         while got < total:
             header = [PULL, self._session, rid, got, self._limits.frame_bytes]
-            head, body = await self._exchange(header)
+            head, body = self._trust(*await self._exchange(header))
             if head[0] != CHUNK:
                 self._refused(head)
             if head[1] != got or body.nbytes == 0 or got + body.nbytes > total:
@@ -320,11 +354,22 @@ class NngClient(Client):
             raise MessageTooLarge(f"{self.url}: {text}")
         raise TransportError(f"{self.url} refused the request ({code}): {text}")
 
+    def _trust(self, head: list[Any], body: memoryview, pipe: int) -> tuple[list[Any], memoryview]:
+        """With a secret, accept replies only from connections whose server proved it holds it.
+
+        A server that restarted (or an impostor at the same address) is reached over a new
+        connection; requests get refused there until the client handshakes again, but an
+        impostor would not refuse, so the client checks on its side as well.
+        """
+        if self._secret is not None and pipe not in self._trusted:
+            raise _Again(UNAUTHENTICATED)
+        return head, body
+
     async def _exchange(
         self, header: list[Any], parts: Parts = (), start: int = 0, n: int = 0
-    ) -> tuple[list[Any], memoryview]:
-        """One REQ/REP round trip on a pooled channel: the reply's header and data (a view of
-        NNG's buffer that keeps the message alive)."""
+    ) -> tuple[list[Any], memoryview, int]:
+        """One REQ/REP round trip on a pooled channel: the reply's header, its data (a view of
+        NNG's buffer that keeps the message alive) and the connection (pipe id) it came on."""
         if self._closed or self._sock is None:
             raise TransportError(f"client of {self.url} is closed")
         if self._free:
@@ -335,7 +380,7 @@ class NngClient(Client):
         finished = False
         try:
             await channel.send(message(header, parts, start, n), f"request to {self.url}")
-            view, _, _ = await channel.recv(f"reply from {self.url}")
+            view, pipe, _ = await channel.recv(f"reply from {self.url}")
             finished = True
         finally:
             if finished:
@@ -348,7 +393,7 @@ class NngClient(Client):
         self._stats["bytes_out"] += n
         head, body = parse(view)
         self._stats["bytes_in"] += body.nbytes
-        return head, body
+        return head, body, pipe
 
     # ------------------------------------------------------------------ handshake
 
@@ -371,7 +416,7 @@ class NngClient(Client):
     async def _handshake(self) -> None:
         secret = self._secret
         cnonce = _auth.nonce() if secret is not None else b""
-        head, _ = await self._exchange([HELLO, cnonce])
+        head, _, hello_pipe = await self._exchange([HELLO, cnonce])
         if head[0] != CHALLENGE:
             self._refused(head)
         _, snonce, proof, frame_bytes, max_message = head
@@ -385,7 +430,11 @@ class NngClient(Client):
             raise AuthFailed(f"{self.url} has no secret, so it cannot prove it is the right server")
         if not _auth.same(proof, _auth.server_proof(secret, cnonce, snonce)):
             raise AuthFailed(f"{self.url} failed to prove it holds the secret: the secrets differ")
-        head, _ = await self._exchange([PROOF, _auth.client_proof(secret, snonce, cnonce)])
+        proof = _auth.client_proof(secret, snonce, cnonce)
+        head, _, proof_pipe = await self._exchange([PROOF, proof])
         if head[0] != WELCOME:
             self._refused(head)
+        if proof_pipe != hello_pipe:  # the connection changed half-way: start over
+            raise _Again(REHELLO)
+        self._trusted.add(proof_pipe)
         self._stats["handshakes"] += 1

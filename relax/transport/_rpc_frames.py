@@ -37,6 +37,7 @@ _PREFIX = struct.Struct("<4sH")
 HEADER_ROOM = 4096
 """Bytes a frame may carry on top of its chunk; ``recv_max_size = frame_bytes + HEADER_ROOM``."""
 MAX_CLIENT_ID = 256
+SESSION_BYTES = 16
 MAX_ACKS = 64
 """Finished request ids one PART frame may acknowledge (besides ``ack_below``)."""
 

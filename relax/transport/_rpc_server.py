@@ -1,30 +1,29 @@
 """The server side of RPC over NNG (``tcp://``, ``ipc://``): a REP socket served through contexts.
 
 ``concurrency`` receiver loops each hold an NNG context (a ``_rpc_aio.Channel``): receive a
-frame, handle it, reply, repeat, the way a raw REP loop does (no task switch per request). Control frames (handshake,
-upload parts, reply pulls) are answered on the spot; a complete request runs the handler inline,
-so at most ``concurrency`` handlers run at once and further frames wait in NNG (backpressure)
-until a loop is free.
+frame, handle it, reply, repeat, the way a raw REP loop does (no task switch per request).
+Control frames (handshake, upload parts, reply pulls) are answered on the spot; a complete
+request runs the handler inline, so at most ``concurrency`` handlers run at once and further
+frames wait in NNG (backpressure) until a loop is free.
 
 Exactly-once: every request carries ``(session, rid)`` (a random per-``Client`` session, a
-per-session counter) and ``ack_below``, the client's lowest request id still waiting. NNG's REQ
-resends (after a reconnect, or its 60 s resend timer), so a duplicate of a request being handled
-waits (in a task of its own) for the same reply, and a duplicate of a finished one gets the
-cached reply. Replies stay cached until the client acknowledges them (``ack_below`` passes
-them, or a later request lists them in its ``acks``: the client has them or gave up), at most
-``REPLY_CACHE`` bodies per session; the ids of finished requests are remembered up to
-``REMEMBERED_IDS`` per session, and a request below ``ack_below`` that is not cached is refused
-as stale (its client gave up on it), so a late resend never runs a handler twice. Sessions idle
-for ``session_ttl`` seconds are forgotten. All of this lives as long as the server does.
+per-session counter). NNG's REQ resends requests (after a reconnect, or on its resend timer),
+so a duplicate of a request being handled waits (in a task of its own) for the same reply, a
+duplicate of a finished one gets the cached reply, and one its client already gave up on is
+refused as stale; a handler never runs twice for one request while the server lives. What is
+remembered, and for how long, is in ``_rpc_dedup``; sessions idle for ``session_ttl`` seconds
+are forgotten.
+
+Requests larger than a frame are reassembled in ``_rpc_dedup.Partial`` buffers, handed to the
+handler only when complete, and dropped when their connection goes away or after
+``partial_timeout`` seconds without a new part.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import time
-from collections import OrderedDict, deque
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -35,6 +34,7 @@ from relax.log import get_logger
 from relax.transport import _auth
 from relax.transport._rpc_aio import Channel, Closed
 from relax.transport._rpc_base import Handler, Limits, Peer, Server
+from relax.transport._rpc_dedup import Partial, Reply, Session
 from relax.transport._rpc_frames import (
     ACK,
     AUTH,
@@ -54,6 +54,7 @@ from relax.transport._rpc_frames import (
     REHELLO,
     RESTART,
     RESULT,
+    SESSION_BYTES,
     STALE,
     TOO_LARGE,
     UNAUTHENTICATED,
@@ -61,7 +62,6 @@ from relax.transport._rpc_frames import (
     BadFrame,
     Parts,
     close_quietly,
-    encode,
     message,
     parse,
 )
@@ -69,89 +69,7 @@ from relax.transport._wire import loads
 
 log = get_logger("relax.transport")
 
-REPLY_CACHE = 1024
-"""Reply bodies kept per client session until the client acknowledges them."""
-REMEMBERED_IDS = 65536
-"""Finished request ids remembered per client session (to refuse, not re-run, duplicates)."""
-SESSION_BYTES = 16
 SEND_TIMEOUT_MS = 30_000  # a peer that does not read its replies cannot hold a context forever
-
-
-class _Reply:
-    """An encoded reply, kept as wire-format parts (a returned tensor is not copied)."""
-
-    __slots__ = ("ok", "parts", "size")
-
-    def __init__(self, ok: bool, payload: Any) -> None:
-        self.ok = ok
-        self.parts, self.size = encode(payload)
-
-
-class _Session:
-    """Dedup state of one client session."""
-
-    __slots__ = ("bodies", "client_id", "done", "floor", "heap", "inflight", "last_seen", "order")
-
-    def __init__(self, client_id: str) -> None:
-        self.client_id = client_id
-        self.floor = 0  # every rid below this was received or abandoned by the client
-        self.inflight: dict[int, asyncio.Future[_Reply] | None] = {}
-        self.done: OrderedDict[int, _Reply | None] = OrderedDict()  # None: body evicted
-        self.heap: list[int] = []  # rids in `done`, to drop them when the floor passes
-        self.order: deque[int] = deque()  # rids with a body, oldest first, to evict bodies
-        self.bodies = 0
-        self.last_seen = time.monotonic()
-
-    def advance(self, ack_below: int) -> None:
-        if ack_below <= self.floor:
-            return
-        self.floor = ack_below
-        heap, done = self.heap, self.done
-        while heap and heap[0] < ack_below:
-            if done.pop(heapq.heappop(heap), None) is not None:
-                self.bodies -= 1
-
-    def forget(self, acks: list[Any]) -> None:
-        """Drop the bodies of replies the client has (the ids stay, to refuse duplicates)."""
-        done = self.done
-        for rid in acks:
-            if type(rid) is int and done.get(rid) is not None:
-                done[rid] = None
-                self.bodies -= 1
-
-    def complete(self, rid: int, reply: _Reply) -> None:
-        self.inflight.pop(rid, None)
-        if rid < self.floor:
-            return  # its client gave up on it; a late duplicate is refused as stale
-        self.done[rid] = reply
-        heapq.heappush(self.heap, rid)
-        self.order.append(rid)
-        self.bodies += 1
-        while self.bodies > REPLY_CACHE and self.order:
-            old = self.order.popleft()
-            if self.done.get(old) is not None:
-                self.done[old] = None
-                self.bodies -= 1
-        while len(self.done) > REMEMBERED_IDS:
-            if self.done.popitem(last=False)[1] is not None:
-                self.bodies -= 1
-        if len(self.heap) > 2 * REMEMBERED_IDS:
-            self.heap = list(self.done)
-            heapq.heapify(self.heap)
-        if len(self.order) > 2 * REPLY_CACHE:
-            self.order = deque(r for r in self.order if self.done.get(r) is not None)
-
-
-class _Partial:
-    """A request arriving in several frames, reassembled in one buffer."""
-
-    __slots__ = ("buf", "pipe", "received", "touched")
-
-    def __init__(self, total: int, pipe: int) -> None:
-        self.buf = bytearray(total)
-        self.received = 0
-        self.pipe = pipe
-        self.touched = time.monotonic()
 
 
 class NngServer(Server):
@@ -165,8 +83,10 @@ class NngServer(Server):
         secret: bytes | None,
         limits: Limits,
         concurrency: int,
+        raw_tensors: bool = False,
     ) -> None:
         self.url = url
+        self._raw_tensors = raw_tensors
         self._scheme = urlsplit(url).scheme
         self._handler = handler
         self._secret = secret
@@ -180,8 +100,8 @@ class NngServer(Server):
         self._authed: set[int] = set()
         self._challenges: dict[int, tuple[bytes, bytes]] = {}
         self._addresses: dict[int, str] = {}
-        self._sessions: dict[bytes, _Session] = {}
-        self._partials: dict[tuple[bytes, int], _Partial] = {}
+        self._sessions: dict[bytes, Session] = {}
+        self._partials: dict[tuple[bytes, int], Partial] = {}
         self._in_flight = 0
         self._closed = False
         self.partial_timeout = 30.0
@@ -337,6 +257,8 @@ class NngServer(Server):
                 return
             except TransportError as exc:  # a reply could not be sent
                 log.debug("rpc server could not reply", url=self.url, error=str(exc))
+            except Exception:  # a bug here must not take a receiver loop with it
+                log.exception("rpc server failed on a frame", url=self.url)
             # Free NNG's message now, not when this loop's next frame arrives: with many loops
             # idle, holding on would keep many frames resident and every new one cache-cold.
             view = pipe = None
@@ -386,9 +308,9 @@ class NngServer(Server):
     async def _send(
         self, ch: Channel, header: list[Any], parts: Parts = (), start: int = 0, n: int = 0
     ) -> None:
-        await ch.send(message(header, parts, start, n), "rpc server reply")
-        self._stats["frames_out"] += 1
+        self._stats["frames_out"] += 1  # counted when handed to NNG
         self._stats["bytes_out"] += n
+        await ch.send(message(header, parts, start, n), "rpc server reply")
 
     async def _refuse(self, ch: Channel, code: str, text: str) -> None:
         await self._send(ch, [REFUSED, code, text])
@@ -451,7 +373,7 @@ class NngServer(Server):
             raise BadFrame("request part with inconsistent fields")
         sess = self._sessions.get(session)
         if sess is None:
-            sess = self._sessions[session] = _Session(client_id)
+            sess = self._sessions[session] = Session(client_id)
         sess.last_seen = time.monotonic()
         sess.advance(ack_below)
         if acks:
@@ -490,7 +412,7 @@ class NngServer(Server):
         else:
             part = self._partials.get(key)
             if offset == 0:
-                part = self._partials[key] = _Partial(total, pipe_id)
+                part = self._partials[key] = Partial(total, pipe_id)
             elif part is None or len(part.buf) != total or offset > part.received:
                 await self._refuse(ch, RESTART, "no partial upload here; send from offset 0")
                 return False
@@ -504,20 +426,23 @@ class NngServer(Server):
             body = part.buf
         del data
         sess.inflight[rid] = None  # a future is made only if a duplicate comes to wait
-        peer = Peer(sess.client_id, self._address(pipe_id, pipe))
+        peer = sess.peer
+        if peer is None or sess.peer_pipe != pipe_id:
+            peer = sess.peer = Peer(sess.client_id, self._address(pipe_id, pipe))
+            sess.peer_pipe = pipe_id
         reply = await self._handle(sess, rid, body, peer)
         await self._result(ch, reply, max_chunk)
         return False
 
-    async def _handle(self, sess: _Session, rid: int, body: Any, peer: Peer) -> _Reply:
+    async def _handle(self, sess: Session, rid: int, body: Any, peer: Peer) -> Reply:
         """Run the handler on a complete request; record and return its reply."""
         self._stats["requests"] += 1
         self._in_flight += 1
         try:
             try:
-                payload = loads(body)
+                payload = loads(body, raw_tensors=self._raw_tensors)
                 del body
-                reply = _Reply(True, await self._handler(payload, peer))
+                reply = Reply(True, await self._handler(payload, peer))
             except asyncio.CancelledError:
                 if self._closed:
                     raise
@@ -544,12 +469,12 @@ class NngServer(Server):
             waiting.set_result(reply)
         return reply
 
-    def _error(self, exc: BaseException) -> _Reply:
+    def _error(self, exc: BaseException) -> Reply:
         self._stats["errors"] += 1
-        return _Reply(False, error_to_dict(exc))
+        return Reply(False, error_to_dict(exc))
 
     async def _reply_when_done(
-        self, ch: Channel, future: asyncio.Future[_Reply], max_chunk: int
+        self, ch: Channel, future: asyncio.Future[Reply], max_chunk: int
     ) -> None:
         reply = await asyncio.shield(future)
         try:
@@ -560,10 +485,10 @@ class NngServer(Server):
             log.debug("rpc server could not reply", url=self.url, error=str(exc))
         self._free.append(ch)
 
-    async def _result(self, ch: Channel, reply: _Reply, max_chunk: int) -> None:
+    async def _result(self, ch: Channel, reply: Reply, max_chunk: int) -> None:
         n = min(max_chunk, self._limits.frame_bytes, reply.size)
-        await self._send(ch, [RESULT, reply.ok, reply.size], reply.parts, 0, n)
         self._stats["replies"] += 1
+        await self._send(ch, [RESULT, reply.ok, reply.size], reply.parts, 0, n)
 
     async def _pull(self, ch: Channel, header: list[Any]) -> None:
         _, session, rid, offset, max_chunk = header

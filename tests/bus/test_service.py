@@ -195,3 +195,50 @@ async def test_oversized_messages_are_refused_at_the_sender(tmp_path) -> None:
             assert await bus.put(rows("ok", blob=torch.zeros(1 << 16))) == 1  # 256 KB: chunked
     finally:
         await sup.__aexit__(None, None, None)
+
+
+async def test_garbage_on_the_socket_does_not_kill_the_bus(tmp_path) -> None:
+    import pynng
+
+    sup, url = await start_bus(tmp_path, url="tcp://127.0.0.1:0")
+    try:
+        with pynng.Req0(recv_max_size=0, recv_timeout=2000) as raw:
+            raw.dial(url, block=True)
+            for junk in (b"", b"\x00" * 7, b"RLX1garbage", bytes(range(256)) * 10):
+                await raw.asend(junk)
+                await raw.arecv()  # the server answers junk with an error frame, and lives
+        async with await BusClient.connect(url) as bus:
+            assert await bus.put(rows("after-junk")) == 1
+            assert (await bus.statistics())["transport"]["bad_frames"] >= 4
+        assert find_state(await sup.snapshot()) == "running"
+    finally:
+        await sup.__aexit__(None, None, None)
+
+
+def find_state(snapshot: dict) -> str:
+    return snapshot["children"][0]["state"]
+
+
+async def test_compaction_deletes_dead_segments_and_recovery_still_matches(tmp_path) -> None:
+    kwargs = {"tasks": ["train"], "staleness": "inf", "segment_bytes": 4096, "compact_every": 50}
+    sup, url = await start_bus(tmp_path, url="ipc://" + str(tmp_path / "bus.sock"), **kwargs)
+    try:
+        async with await BusClient.connect(url) as bus:
+            for i in range(300):  # each row: put, lease, ack records
+                await bus.put(rows(f"g{i}", blob=torch.full((64,), i)))
+                async with bus.take("train", batch_size=1):
+                    pass
+            await bus.put(rows("live", blob=torch.arange(64)))
+            before = await bus.statistics()
+            segments = len(list((tmp_path / "bus-log").glob("*.seg")))
+            await sup.restart_child("bus")
+            after = await bus.statistics()
+            async with bus.take("train", batch_size=8, columns=["blob"]) as batch:
+                assert [r["uid"] for r in batch.rows] == ["live/0"]
+                assert torch.equal(batch.rows[0]["columns"]["blob"], torch.arange(64))
+            assert await bus.put(rows("g7", blob=torch.zeros(64))) == 0  # finished long ago
+    finally:
+        await sup.__aexit__(None, None, None)
+    assert before["log"]["segments"] == segments < 10  # 900+ records, most segments deleted
+    assert after["counters"]["trained"] == before["counters"]["trained"] == 300
+    assert after["rows"] == 1

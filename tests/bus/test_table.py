@@ -165,3 +165,20 @@ def test_replaying_ops_rebuilds_the_same_state() -> None:
     fresh.apply(log[2])
     fresh.apply(snap)
     assert fresh.version == 1 and fresh.counters == t.counters
+
+
+def test_per_token_versions_make_a_row_as_stale_as_its_oldest_token() -> None:
+    t = table(tasks=("train",), staleness=1)
+    t.put(
+        [
+            {
+                "uid": "u",
+                "group": "u",
+                "version": 3,
+                "columns": {"token_versions": torch.tensor([1, 1, 2, 3])},
+            }
+        ]
+    )
+    assert t.rows["u"].version == 1
+    t.set_version(3)  # floor 2: the row started under weights 1
+    assert t.counters["dropped_stale"] == 1

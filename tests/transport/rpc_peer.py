@@ -1,11 +1,12 @@
 """A real peer process for the RPC fault tests (killed with SIGKILL, restarted on the same URL).
 
     python -m tests.transport.rpc_peer serve URL [--secret S] [--frame-bytes N]
-                                       [--die-after-parts N] [--log FILE]
+                                       [--die-after-parts N] [--die-after-pulls N] [--log FILE]
     python -m tests.transport.rpc_peer upload URL NBYTES [--frame-bytes N] [--die-after-parts N]
 
-``serve`` prints ``ready <url>`` and serves :func:`handler`; with ``--die-after-parts`` it
-SIGKILLs itself when that many request parts have arrived (mid-way through a chunked upload).
+``serve`` prints ``ready <url>`` and serves :func:`make_handler`'s ops; with
+``--die-after-parts`` (``--die-after-pulls``) it SIGKILLs itself when that many request parts
+(reply-chunk pulls) have arrived: mid-way through a chunked upload (download).
 ``upload`` sends one chunked request and SIGKILLs itself after that many parts were acked.
 ``--log`` appends one line per handled request, to count handler runs across restarts.
 """
@@ -49,6 +50,13 @@ def make_handler(log_file: str | None) -> Any:
             return {"sum": checksum(t), "n": t.numel()}
         if op == "pid":
             return os.getpid()
+        if op == "wait_file":  # blocks until the test creates the file; says who answered
+            # The file comes from another process: there is nothing to wait on but polling.
+            while not os.path.exists(payload["path"]):  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+            return os.getpid()
+        if op == "big":
+            return torch.arange(payload["n"], dtype=torch.int32)
         raise ValueError(f"unknown op {op!r}")
 
     return handler
@@ -62,14 +70,23 @@ def die_after(n: int, count: Any) -> None:
 
 async def run_server(args: argparse.Namespace) -> None:
     if args.die_after_parts:
-        count = [0]
-        original = NngServer._part
+        parts = [0]
+        original_part = NngServer._part
 
         async def part(self: NngServer, ch: Any, pipe_id: int, pipe: Any, header: Any, data: Any):
-            die_after(args.die_after_parts, count)
-            return await original(self, ch, pipe_id, pipe, header, data)
+            die_after(args.die_after_parts, parts)
+            return await original_part(self, ch, pipe_id, pipe, header, data)
 
         NngServer._part = part  # type: ignore[method-assign]
+    if args.die_after_pulls:
+        pulls = [0]
+        original_pull = NngServer._pull
+
+        async def pull(self: NngServer, ch: Any, header: Any) -> None:
+            die_after(args.die_after_pulls, pulls)
+            await original_pull(self, ch, header)
+
+        NngServer._pull = pull  # type: ignore[method-assign]
     server = await serve(
         args.url,
         make_handler(args.log),
@@ -105,6 +122,7 @@ def main() -> None:
     parser.add_argument("--secret")
     parser.add_argument("--frame-bytes", type=int, default=1 << 20)
     parser.add_argument("--die-after-parts", type=int, default=0)
+    parser.add_argument("--die-after-pulls", type=int, default=0)
     parser.add_argument("--log")
     args = parser.parse_args()
     asyncio.run(run_server(args) if args.mode == "serve" else run_upload(args))

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import pynng
 import pytest
 import torch
 
@@ -86,10 +87,16 @@ async def test_payloads_round_trip_and_the_handler_sees_the_peer(url: str) -> No
         assert await client.request(None) is None
         assert await client.request(b"") == b""
     assert out["ints"] == [1, 2, 3] and out["text"] == "héllo" and out["raw"] == payload["raw"]
-    assert torch.equal(out["t"], payload["t"]) and torch.equal(out["nested"]["ids"], payload["nested"]["ids"])
+    assert torch.equal(out["t"], payload["t"]) and torch.equal(
+        out["nested"]["ids"], payload["nested"]["ids"]
+    )
     assert {p.id for p in peers} == {"alice"}
     scheme = url.split(":", 1)[0]
-    assert peers[0].address == "inproc" if scheme == "inproc" else peers[0].address.startswith(f"{scheme}://")
+    assert (
+        peers[0].address == "inproc"
+        if scheme == "inproc"
+        else peers[0].address.startswith(f"{scheme}://")
+    )
 
 
 async def test_inproc_hands_objects_over_by_reference() -> None:
@@ -234,6 +241,21 @@ async def test_a_cancelled_request_leaves_the_client_usable(url: str) -> None:
         await wait_until(lambda: client.statistics()["in_flight"] == 0)
 
 
+async def test_the_request_deadline_and_outer_timeouts_do_not_mix(nng_url: str) -> None:
+    async def handler(payload: Any, peer: Peer) -> Any:
+        await asyncio.Event().wait()
+
+    async with running(nng_url, handler) as server, client_of(server) as client:
+        with anyio.move_on_after(0.1) as outer:  # the caller's scope fires first
+            await client.request("x", timeout=30)
+        assert outer.cancelled_caught and client.statistics()["timeouts"] == 0
+        with anyio.fail_after(30):  # the request's own deadline fires first
+            with pytest.raises(CallTimeout):
+                await client.request("x", timeout=0.1)
+        task = asyncio.current_task()
+        assert getattr(task, "cancelling", lambda: 0)() == 0  # nothing left pending on us (3.11+)
+
+
 async def test_cancellation_at_any_point_never_wedges_the_client(nng_url: str) -> None:
     """pynng loses a cancellation that races a completion; our channels must not."""
     async with running(nng_url, echo) as server, client_of(server) as client:
@@ -247,6 +269,26 @@ async def test_cancellation_at_any_point_never_wedges_the_client(nng_url: str) -
                 assert await task == i  # either it finished first, or it was cancelled
         assert await client.request("alive", timeout=10) == "alive"
         assert client.statistics()["in_flight"] == 0
+
+
+async def test_closing_a_client_fails_its_waiting_requests(url: str) -> None:
+    from relax.errors import TransportError
+
+    started = asyncio.Event()
+
+    async def handler(payload: Any, peer: Peer) -> Any:
+        started.set()
+        await asyncio.Event().wait()
+
+    async with running(url, handler) as server:
+        client = await connect(server.url)
+        pending = asyncio.create_task(client.request("x"))
+        await started.wait()
+        await client.aclose()
+        with pytest.raises(TransportError, match="closed"):
+            await pending
+        with pytest.raises(TransportError, match="closed"):
+            await client.request("y")
 
 
 # --------------------------------------------------------------------------- statistics
@@ -270,7 +312,9 @@ async def test_statistics_on_both_ends(url: str) -> None:
 # --------------------------------------------------------------------------- chunking
 
 
-@pytest.mark.parametrize(("client_frame", "server_frame"), [(4096, 4096), (4096, 1 << 20), (1 << 20, 8192)])
+@pytest.mark.parametrize(
+    ("client_frame", "server_frame"), [(4096, 4096), (4096, 1 << 20), (1 << 20, 8192)]
+)
 async def test_large_messages_travel_in_frames_and_arrive_whole(
     nng_url: str, client_frame: int, server_frame: int
 ) -> None:
@@ -300,7 +344,10 @@ async def test_concurrent_chunked_requests_do_not_mix(nng_url: str) -> None:
         return payload * 2
 
     limits = Limits(frame_bytes=2048)
-    async with running(nng_url, handler, limits=limits) as server, client_of(server, limits=limits) as client:
+    async with (
+        running(nng_url, handler, limits=limits) as server,
+        client_of(server, limits=limits) as client,
+    ):
         tensors = [torch.full((5000 + i,), i, dtype=torch.int16) for i in range(12)]
         out = await asyncio.gather(*(client.request(t) for t in tensors))
     for i, t in enumerate(tensors):
@@ -312,7 +359,10 @@ async def test_oversized_messages_fail_at_the_sender(url: str) -> None:
         return bytes(payload) if isinstance(payload, int) else len(payload)
 
     small = Limits(frame_bytes=4096, max_message_bytes=50_000)
-    async with running(url, handler, limits=small) as server, client_of(server, limits=small) as client:
+    async with (
+        running(url, handler, limits=small) as server,
+        client_of(server, limits=small) as client,
+    ):
         if url.startswith("inproc"):  # sizes are not measured in-process: nothing is encoded
             assert await client.request(bytes(60_000)) == 60_000
             return
@@ -342,7 +392,10 @@ async def test_each_side_enforces_its_own_limit(nng_url: str) -> None:
         client._server_max = 1 << 30  # type: ignore[attr-defined]
         with pytest.raises(MessageTooLarge, match="max_message_bytes"):
             await client.request(bytes(60_000))
-    async with running(nng_url, handler) as server, client_of(server, limits=client_limits) as client:
+    async with (
+        running(nng_url, handler) as server,
+        client_of(server, limits=client_limits) as client,
+    ):
         with pytest.raises(MessageTooLarge, match="reply"):  # too big for the client to take
             await client.request(30_000)
         assert await client.request(10_000) == bytes(10_000)
@@ -361,7 +414,12 @@ async def test_nng_resends_are_handled_once(nng_url: str) -> None:
         return payload
 
     async with running(nng_url, handler) as server, client_of(server) as client:
-        client._sock.resend_time = 20  # type: ignore[attr-defined]  # NNG resends every 20 ms
+        # NNG resends every 20 ms: contexts copy the socket's setting when they are made, and
+        # resend timers are checked every "resend tick" (the first, already armed, is 1 s).
+        client._sock.resend_time = 20  # type: ignore[attr-defined]
+        pynng.lib.nng_socket_set_ms(client._sock.socket, b"req:resend-tick", 10)  # type: ignore[attr-defined]
+        for channel in client._free:  # type: ignore[attr-defined]
+            pynng.lib.nng_ctx_set_ms(channel._ctx[0], b"req:resend-time", 20)
         task = asyncio.create_task(client.request("once", timeout=30))
         await wait_until(lambda: server.statistics()["duplicates"] >= 3, what="resends")
         release.set()
@@ -381,7 +439,7 @@ async def test_duplicates_get_the_same_reply_and_stale_ones_are_refused(nng_url:
         return {"reply-to": payload, "n": len(calls)}
 
     session = uuid.uuid4().bytes
-    async with running(nng_url, handler) as server:
+    async with running(nng_url, handler) as server:  # noqa: SIM117 (b needs server.url)
         async with RawClient(server.url) as a, RawClient(server.url) as b:
             first = await a.request(frame(part_header(session, 0, "x", ack_below=0), "x"))
             again = await a.request(frame(part_header(session, 0, "x", ack_below=0), "x"))
@@ -426,14 +484,14 @@ async def test_a_half_uploaded_request_is_dropped_after_a_timeout(nng_url: str) 
         data = b"".join(bytes(p) for p in parts)
         header = [PART, "raw", uuid.uuid4().bytes, 0, 0, [], 0, size, 1 << 20]
         async with RawClient(server.url) as raw:
-            reply = await raw.request(frame(header, data[:4096]))
+            reply = await raw.request(frame(header, raw=data[:4096]))
             assert reply[0] == [13]  # ACK: stored, waiting for the rest
             assert server.statistics()["partials"] == 1
             await wait_until(lambda: server.statistics()["partials"] == 0, what="drop")
             assert server.statistics()["partials_dropped"] == 1
             # The rest arriving later finds nothing to complete and is told to start over.
             header[6] = 4096
-            again = await raw.request(frame(header, data[4096:]))
+            again = await raw.request(frame(header, raw=data[4096:]))
             assert again[0][:2] == [REFUSED, "restart"]
     assert calls == []
 
@@ -464,3 +522,25 @@ async def test_inproc_requests_wait_for_a_server_to_come_back() -> None:
             await client.request("y", timeout=0.2)
     finally:
         await client.aclose()
+
+
+def test_the_dedup_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from relax.transport import _rpc_dedup
+    from relax.transport._rpc_dedup import Reply, Session
+
+    monkeypatch.setattr(_rpc_dedup, "REPLY_CACHE", 4)
+    monkeypatch.setattr(_rpc_dedup, "REMEMBERED_IDS", 10)
+    s = Session("c")
+    for rid in range(30):  # the client never acknowledges anything (one request stuck at 0)
+        s.inflight[rid] = None
+        s.complete(rid, Reply(True, rid))
+    assert s.bodies == 4 and len(s.done) == 10  # bodies and ids both capped
+    assert [r for r, reply in s.done.items() if reply is not None] == [26, 27, 28, 29]
+    assert s.done[20] is None  # remembered without its body: a duplicate is refused, not re-run
+    s.forget([28, 29, 999])  # acknowledged by the client: bodies go
+    assert s.bodies == 2 and s.done[28] is None
+    s.advance(25)  # everything below 25 was received or given up by the client
+    assert min(s.done) == 25 and s.floor == 25
+    s.inflight[3] = None
+    s.complete(3, Reply(True, 3))  # finished after its client gave up: not kept
+    assert 3 not in s.done and 3 not in s.inflight

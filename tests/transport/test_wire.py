@@ -130,3 +130,19 @@ def test_random_bytes_never_crash_the_decoder(data: bytes) -> None:
         loads(MAGIC + data)
     except TransportError:
         pass
+
+
+def test_raw_tensors_are_views_that_forward_without_torch_and_round_trip() -> None:
+    from relax.transport import RawTensor
+
+    t = torch.arange(12, dtype=torch.int16).reshape(3, 4)
+    msg = dumps({"t": t, "b": torch.tensor(True)})
+    raw = loads(msg, raw_tensors=True)
+    assert isinstance(raw["t"], RawTensor) and raw["t"].shape == [3, 4] and len(raw["t"]) == 3
+    assert raw["t"].data.obj is not None and raw["t"].nbytes == 24  # a view, not a copy
+    assert torch.equal(raw["t"].to_torch(), t) and raw["b"].to_torch().item() is True
+    forwarded = loads(dumps({"again": raw["t"]}))  # sent on as the same tensor
+    assert torch.equal(forwarded["again"], t)
+    assert raw["t"] == loads(msg, raw_tensors=True)["t"]
+    with pytest.raises(TransportError):
+        loads(msg[:-8], raw_tensors=True)
