@@ -25,12 +25,13 @@ from pathlib import Path
 import pynng
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from relax.actors import ChildSpec, Process, Supervisor
-from relax.bus import BusClient, BusService
-from relax.log import configure_logging
-from relax.transport import Limits
+from relax.actors import ChildSpec, Process, Supervisor  # noqa: E402
+from relax.bus import BusClient, BusService  # noqa: E402
+from relax.log import configure_logging  # noqa: E402
+from relax.transport import Limits  # noqa: E402
 
 RELAY = """
 import collections, sys, pynng
@@ -132,6 +133,47 @@ async def weights_bandwidth(url: str, version: int) -> float:
     return nbytes / took
 
 
+async def weights_group_bandwidth(url: str, version: int) -> float:
+    """The same 50 MB, with the bytes over a gloo tensor group to a subscriber process."""
+    import socket
+
+    from relax.transport import open_group
+
+    state = weights_state()
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        group_url = f"nccl://127.0.0.1:{s.getsockname()[1]}"
+    peer = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.bus.weights_peer",
+        url,
+        str(version - 1),
+        group_url,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.DEVNULL,
+    )
+    # open_group returns once every rank joined: the subscriber is up when the clock starts.
+    async with (
+        await open_group(group_url, rank=0, world_size=2, timeout=120) as group,
+        await BusClient.connect(url, limits=LIMITS) as trainer,
+    ):
+        start = time.perf_counter()
+        await trainer.publish_weights(
+            version, state, bucket_bytes=16 << 20, set_trainer_version=False, group=group
+        )
+        took = time.perf_counter() - start
+    await peer.wait()
+    return nbytes / took
+
+
+def weights_state() -> dict[str, torch.Tensor]:
+    return {f"w{i}": torch.randn(1 << 20) for i in range(12)} | {
+        "tail": torch.randn(524_288)
+    }  # 50 MB
+
+
 def memcpy_bandwidth() -> float:
     src = torch.randn(50 * (1 << 20) // 4)
     dst = torch.empty_like(src)
@@ -171,7 +213,10 @@ async def main(rounds: int, persist: bool) -> None:
                         )
                     results.setdefault("memcpy", []).append(memcpy_bandwidth())
                     results.setdefault("weights", []).append(
-                        await weights_bandwidth(bus_url, r + 1)
+                        await weights_bandwidth(bus_url, 2 * r + 1)
+                    )
+                    results.setdefault("weights_group", []).append(
+                        await weights_group_bandwidth(bus_url, 2 * r + 2)
                     )
         finally:
             relay.kill()
@@ -185,11 +230,13 @@ async def main(rounds: int, persist: bool) -> None:
             f"raw pynng {raw / size:9.0f} rows/s {raw / 1e6:8.1f} MB/s | ratio {bus / raw:4.2f}"
         )
     print(
-        f"weights 50 MB publish+poll: {med['weights'] / 1e6:8.1f} MB/s | memcpy {med['memcpy'] / 1e6:8.1f} MB/s"
+        f"weights 50 MB: through the bus {med['weights'] / 1e6:8.1f} MB/s | over a gloo group "
+        f"{med['weights_group'] / 1e6:8.1f} MB/s | memcpy {med['memcpy'] / 1e6:8.1f} MB/s"
     )
     for name in SIZES:
         print(f"bus_vs_raw_pynng_{name} = {med[f'bus_{name}'] / med[f'raw_{name}']:.3f}")
-    print(f"weights_vs_memcpy_50MB = {med['weights'] / med['memcpy']:.4f}")
+    print(f"weights_bus_vs_memcpy_50MB = {med['weights'] / med['memcpy']:.4f}")
+    print(f"weights_vs_memcpy_50MB = {med['weights_group'] / med['memcpy']:.4f}")
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ class BusService(Actor):
         self.writes_pending = 0
         self.next_seq = 0  # the log position the next record will get
         self.compact_every = compact_every  # records between compactions: keeps the log short
-        self.since_compact = 0
+        self.since_compact = self.bytes_since_compact = 0
         self.stats = {"bytes_in": 0, "bytes_out": 0, "requests": 0, "recovered_records": 0}
 
     # ------------------------------------------------------------------ lifecycle
@@ -276,7 +276,8 @@ class BusService(Actor):
 
     async def _op_w_commit(self, req: dict[str, Any], peer: Peer) -> None:
         version = int(req["version"])
-        self.weights.commit(version)
+        # Writing the version to disk happens on a thread; it is visible once it is written.
+        await asyncio.to_thread(self.weights.commit, version)
         if req.get("set_trainer_version", True):
             await self._commit(self.table.set_version(version))
         async with self.changed:
@@ -337,18 +338,21 @@ class BusService(Actor):
             self.next_seq += 1
             if op["op"] == "put":
                 self.table.mark_seq([op], seq)
+        size = sum(memoryview(p).nbytes for r in records for p in r)
         self.since_compact += len(records)
-        compact = self.since_compact >= self.compact_every
+        self.bytes_since_compact += size
+        # Compact by records (bookkeeping) or by bytes (so big rows recycle segments early).
+        compact = (
+            self.since_compact >= self.compact_every
+            or self.bytes_since_compact >= 2 * self.segment_bytes
+        )
         if compact:
-            self.since_compact = 0
+            self.since_compact = self.bytes_since_compact = 0
             state_seq = self.next_seq
             self.next_seq += 1
             oldest = self.table.oldest_live_seq()
             watermark = state_seq if oldest is None else min(oldest, state_seq)
             records.append(dumps(self.table.state_op()))
-        size = sum(
-            memoryview(p).nbytes for r in records for p in (r if isinstance(r, list) else [r])
-        )
         if size < _INLINE_WRITE_BYTES and self.writes_pending == 0:
             self._write(records, watermark if compact else None)  # small: a thread hop costs more
             return

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,11 @@ class VersionGone(BusError):
 
 
 class WeightStore:
-    def __init__(self, directory: Path | None = None, *, keep: int = 2) -> None:
+    def __init__(
+        self, directory: Path | None = None, *, keep: int = 2, fsync: bool = False
+    ) -> None:
         self.directory = directory
+        self.fsync = fsync
         self.keep = max(1, keep)
         self.committed: dict[int, dict[str, Any]] = {}  # version -> {"meta", "buckets"}
         self.open: dict[int, dict[str, Any]] = {}
@@ -98,20 +102,37 @@ class WeightStore:
     # ------------------------------------------------------------------ on disk
 
     def _persist(self, version: int, entry: dict[str, Any]) -> None:
-        from safetensors.torch import save_file
+        """Write the version as one safetensors file (tmp, then rename: all or nothing).
 
+        The file is written straight from the tensors' bytes (wire-form tensors are never
+        turned into torch tensors here); ``safetensors`` reads it back in ``recover``.
+        """
         assert self.directory is not None
         self.directory.mkdir(parents=True, exist_ok=True)
-        flat = {
-            f"{i}/{name}": _torch(t)
-            for i, b in enumerate(entry["buckets"])
-            for name, t in b.items()
+        header: dict[str, Any] = {
+            "__metadata__": {"version": str(version), "meta": json.dumps(entry["meta"])}
         }
-        meta = {"version": str(version), "meta": json.dumps(entry["meta"])}
+        views, offset = [], 0
+        for i, bucket in enumerate(entry["buckets"]):
+            for name, tensor in bucket.items():
+                view, dtype, shape = _raw(tensor)
+                header[f"{i}/{name}"] = {
+                    "dtype": _ST_DTYPES[dtype],
+                    "shape": shape,
+                    "data_offsets": [offset, offset + view.nbytes],
+                }
+                views.append(view)
+                offset += view.nbytes
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * ((-len(head)) % 8)  # safetensors aligns the data to 8 bytes
         tmp = self.directory / f".v{version}.tmp"
-        save_file(flat, str(tmp), metadata=meta)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(head)))
+            f.write(head)
+            for view in views:
+                f.write(view)
+            if self.fsync:
+                os.fsync(f.fileno())
         os.replace(tmp, self.directory / f"v{version:012d}.safetensors")
         for old in sorted(self.directory.glob("v*.safetensors"))[: -self.keep]:
             old.unlink(missing_ok=True)
@@ -141,5 +162,27 @@ def _nbytes(tensor: Any) -> int:
     )
 
 
-def _torch(tensor: Any) -> Any:
-    return tensor.to_torch() if isinstance(tensor, RawTensor) else tensor.contiguous()
+# safetensors' names for our wire dtypes.
+_ST_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+
+
+def _raw(tensor: Any) -> tuple[memoryview, str, list[int]]:
+    """A tensor's bytes, wire dtype name and shape, without a copy where possible."""
+    if isinstance(tensor, RawTensor):
+        return tensor.data, tensor.dtype, tensor.shape
+    import torch
+
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    view = memoryview(flat.view(torch.uint8).numpy()).cast("B") if flat.numel() else memoryview(b"")
+    return view, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)

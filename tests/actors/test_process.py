@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from relax.actors import ChildSpec, Process, Supervisor
-from relax.errors import ActorDead, RemoteError, StartFailed
+from relax.errors import ActorDead, CallTimeout, RemoteError, StartFailed
 from tests.actors.fixtures import Echo, FailRestart, StubbornStop, read_events
 from tests.actors.helpers import find, pid_alive, starts, wait_until
 
@@ -72,7 +72,7 @@ async def test_sigkill_child_is_restarted_and_answers_within_3s() -> None:
         async def answers_from_new_pid() -> bool:
             try:
                 return await ref.call("pid", timeout=1) != old
-            except ActorDead:
+            except (ActorDead, CallTimeout):
                 return False  # a call that raced the death; the next one waits for the restart
 
         await wait_until(answers_from_new_pid, timeout=10, what="restarted child to answer")

@@ -150,15 +150,15 @@ def test_replay_covers_records_present_when_it_starts(tmp_path: Path) -> None:
 def test_failed_write_is_rolled_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with SegmentLog(tmp_path) as log:
         log.append(b"good")
-        real_writev = os.writev
+        real_pwritev = os.pwritev
 
-        def half_then_enospc(fd: int, buffers: list[Any]) -> int:
+        def half_then_enospc(fd: int, buffers: list[Any], offset: int) -> int:
             # A short write of half the frame, then the disk is full.
             first = bytes(buffers[0])
-            real_writev(fd, [first[: len(first) // 2]])
+            real_pwritev(fd, [first[: len(first) // 2]], offset)
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(log_module.os, "writev", half_then_enospc)
+        monkeypatch.setattr(log_module.os, "pwritev", half_then_enospc)
         with pytest.raises(OSError, match="No space"):
             log.append(b"doomed" * 10)
         monkeypatch.undo()
@@ -169,14 +169,14 @@ def test_failed_write_is_rolled_back(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_short_writes_are_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_writev = os.writev
+    real_pwritev = os.pwritev
 
-    def at_most_7_bytes(fd: int, buffers: list[Any]) -> int:
-        return real_writev(fd, [bytes(buffers[0])[:7]])
+    def at_most_7_bytes(fd: int, buffers: list[Any], offset: int) -> int:
+        return real_pwritev(fd, [bytes(buffers[0])[:7]], offset)
 
     records = [b"", b"abc", b"x" * 100_000, b"tail"]
     with SegmentLog(tmp_path) as log:
-        monkeypatch.setattr(log_module.os, "writev", at_most_7_bytes)
+        monkeypatch.setattr(log_module.os, "pwritev", at_most_7_bytes)
         log.append_many(records)
         monkeypatch.undo()
     assert [p for _, p in replayed(tmp_path)] == records
@@ -528,3 +528,28 @@ def test_a_record_may_be_given_as_parts_written_back_to_back(tmp_path):
         log.append_many([[b"ab", memoryview(b"cd")], b"ef", [big, b"!"], [b"", b"x"]])
     with SegmentLog(tmp_path) as log:
         assert [r for _, r in log.replay()] == [b"abcd", b"ef", big + b"!", b"x"]
+
+
+def test_released_segments_are_recycled_and_their_leftovers_never_replayed(tmp_path: Path) -> None:
+    payload = lambda i: bytes([i % 251]) * 3000  # noqa: E731
+    with SegmentLog(tmp_path, segment_bytes=10_000) as log:
+        for i in range(12):  # 3 records a segment
+            log.append(payload(i))
+        assert log.release_before(9) == 3
+        assert log.statistics()["spares"] == 2  # two kept for reuse, the third deleted
+        for i in range(12, 15):  # new segments come from the spares, over old records
+            log.append(payload(i))
+        assert log.statistics()["spares"] == 1
+    assert [s for s, _ in replayed(tmp_path)] == list(range(9, 15))
+    # A crash right after a recycled segment started: its old records must not count.
+    with SegmentLog(tmp_path, segment_bytes=10_000) as log:
+        log.append(payload(15))
+    active = segments(tmp_path)[-1]
+    with open(active, "r+b") as f:  # recycle by hand: a segment whose tail is older records
+        f.seek(0, 2)
+        f.write(segments(tmp_path)[0].read_bytes())
+    got = replayed(tmp_path)
+    assert [s for s, _ in got] == list(range(9, 16)) and got[-1][1] == payload(15)
+    with SegmentLog(tmp_path, segment_bytes=10_000) as log:
+        assert log.append(b"next") == 16
+    assert replayed(tmp_path)[-1] == (16, b"next")
