@@ -1,0 +1,146 @@
+"""The generation-engine interface every rollout backend implements (HF ``generate``, vLLM).
+
+An engine turns token-id prompts into sampled responses with the sampling policy's per-token
+log-probabilities, and swaps its weights between versions atomically. It knows nothing of
+actors or the bus: the rollout role drives it.
+
+Log-probabilities (``Generation.logprobs``) — the contract every engine keeps:
+
+    logprobs[t] = log p(response_ids[t] | prompt_ids + response_ids[:t])
+
+where ``p`` is the distribution the token was *actually sampled from*: the model's logits
+divided by ``temperature``, then (when enabled) restricted to the ``top_k`` most likely tokens
+and to the smallest set whose mass reaches ``top_p``, and renormalised. With ``top_k = 0`` and
+``top_p = 1`` (the RL setting) this is exactly ``log_softmax(logits / temperature)``, the
+quantity a trainer recomputes. With truncation it is larger by ``-log(kept mass)``: a trainer
+that recomputes without truncation sees a systematic gap, so keep truncation off for RL (or
+correct for it). ``temperature = 0`` means greedy decoding; the logprobs are then
+``log_softmax(logits)`` (temperature 1), since the greedy "distribution" is degenerate.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from relax.errors import RelaxError
+
+FinishReason = Literal["stop", "length"]
+
+StateDict = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+"""Weights for ``load_weights``: a state dict, or ``(name, tensor)`` pairs (e.g. streamed buckets)."""
+
+
+class EngineError(RelaxError, ValueError):
+    """A generation engine refused a request or a weight update; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample; validated once so every engine sees the same meaning."""
+
+    max_new_tokens: int
+    """Most tokens generated per response (the stop token, when hit, counts as one)."""
+    temperature: float = 1.0
+    """Logits are divided by this before sampling; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches this; 1 disables."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation of a response ends after any of these ids (which is kept in the response)."""
+    n: int = 1
+    """Responses sampled per prompt."""
+    seed: int | None = None
+    """Seed of the sampling; the same seed, prompts and weights give the same responses."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0 or self.temperature == float("inf"):
+            problems.append(f"temperature must be a finite number ≥ 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            problems.append(f"top_k must be ≥ 0 (0 disables it), got {self.top_k}")
+        if self.n < 1:
+            problems.append(f"n must be at least 1, got {self.n}")
+        if problems:
+            raise EngineError("; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        """Whether this is greedy decoding (temperature 0)."""
+        return self.temperature == 0
+
+
+@dataclass
+class Generation:
+    """One sampled response to one prompt."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    """Generated ids, ending with the stop token when ``finish_reason == "stop"``."""
+    logprobs: list[float]
+    """Sampling policy's log-prob of each id of ``response_ids`` (see the module docstring)."""
+    finish_reason: FinishReason
+    """"stop": a stop token was generated; "length": ``max_new_tokens`` was reached."""
+    version: int
+    """Weights version that generated every token of this response."""
+    index: int = 0
+    """Which of the ``n`` samples of its prompt this is (0-based)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class GenerationEngine(abc.ABC):
+    """A backend that samples responses and swaps weights between versions.
+
+    Concurrency contract: ``generate`` and ``load_weights`` may be awaited concurrently from one
+    event loop. A generation runs entirely on one weights version — the one in its
+    ``Generation.version`` — and ``load_weights`` never lets a generation see a mix of two.
+    Neither blocks the event loop while the model computes.
+    """
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """The weights version now served."""
+
+    @abc.abstractmethod
+    async def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        n: int = 1,
+        seed: int | None = None,
+    ) -> list[Generation]:
+        """Sample ``n`` responses per prompt.
+
+        Returns ``len(prompts) * n`` generations, grouped by prompt: prompt ``i``'s samples are
+        at ``i * n … i * n + n - 1`` (with ``index`` 0 … n - 1).
+        """
+
+    @abc.abstractmethod
+    async def load_weights(self, version: int, state_dict: StateDict) -> None:
+        """Replace the weights by ``state_dict`` and start serving ``version``, atomically.
+
+        Waits for in-flight generations to finish first. Raises ``EngineError`` (and changes
+        nothing) when names or shapes do not match the model, or the version goes backwards.
+        """
+
+    @abc.abstractmethod
+    def statistics(self) -> dict[str, float | int]:
+        """Counters for metrics: requests, sequences, tokens, time spent, weight loads, …"""
+
+    async def close(self) -> None:
+        """Release resources (threads, processes, accelerator memory)."""

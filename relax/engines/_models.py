@@ -1,0 +1,278 @@
+"""Tiny models and offline tokenizers: everything a cluster needs without a model hub.
+
+- ``build_byte_tokenizer()``: a byte-level tokenizer (token id == byte value for the 256 bytes,
+  then a few specials) with a small ChatML-style chat template. It round-trips any UTF-8 text
+  exactly, needs no training and no download.
+- ``build_tiny_model(init, directory)``: a seeded, randomly initialised Qwen2 or Llama causal LM
+  from ``[model.init]``, saved with ``save_pretrained`` next to the byte tokenizer, so the folder
+  is an ordinary Hugging Face checkpoint (loadable by ``from_pretrained`` and by vLLM).
+- ``load_policy(path, dtype)`` / ``load_tokenizer(path)``: load any local HF model folder — the
+  tiny one takes exactly the same path as a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+from relax.config import ModelInitConfig
+from relax.errors import ConfigError, ConfigIssue
+
+log = logging.getLogger(__name__)
+
+BYTE_TOKENIZER = "byte"
+"""The name ``model.tokenizer`` uses for the built-in byte-level tokenizer."""
+
+PAD, BOS, EOS, IM_START, IM_END = "<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, IM_START, IM_END)
+"""Specials of the byte tokenizer, with ids 256, 257, … in this order."""
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""ChatML: one ``<|im_start|>role\\ncontent<|im_end|>\\n`` per turn; a reply ends with ``<|im_end|>``."""
+
+# Text whose encoding is compared between loading paths (see ``load_tokenizer``): ASCII,
+# spaces in odd places, digits, accents, a decomposed "é" and a ligature (which an NFC/NFKC
+# normaliser, as in ``Qwen2Tokenizer``, would silently rewrite), CJK, an emoji and a special.
+_PROBE = "  Hello,world! 12+345=357\n\té e\u0301 \ufb01 中文 🙂 <|im_end|>x"
+
+# Saved ``tokenizer_class`` values that mean "tokenizer.json is the whole tokenizer".
+_FILE_ONLY_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's byte → printable-character table (``bytes_to_unicode``), indexed by byte.
+
+    The ByteLevel pre-tokenizer maps byte b to this character; the vocabulary uses the same
+    characters so that a byte's token id is its value.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars: list[str] = []
+    extra = 0
+    for byte in range(256):
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def build_byte_tokenizer(model_max_length: int = 1024) -> PreTrainedTokenizerFast:
+    """The offline byte-level tokenizer: ids 0-255 are the bytes, 256+ the specials.
+
+    No merges, so every UTF-8 string encodes to exactly its bytes and decodes back unchanged.
+    Padding is on the left (what batched generation needs); ``<|im_end|>`` ends a chat reply and
+    ``<|eos|>`` ends a document — ``stop_token_ids`` returns both.
+    """
+    vocab = {char: byte for byte, char in enumerate(_byte_alphabet())}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    # use_regex=False: without merges the split cannot change the ids, and skipping it keeps
+    # whitespace handling trivially exact.
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        additional_special_tokens=[IM_START, IM_END],
+        padding_side="left",
+        model_max_length=model_max_length,
+        chat_template=CHAT_TEMPLATE,
+    )
+    for offset, token in enumerate(SPECIAL_TOKENS):
+        assert tokenizer.convert_tokens_to_ids(token) == 256 + offset, token
+    return tokenizer
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Ids that end a generation: the tokenizer's EOS plus the chat end-of-turn, when present."""
+    ids: list[int] = []
+    candidates = [
+        tokenizer.eos_token_id,
+        *(tokenizer.convert_tokens_to_ids(t) for t in (IM_END, "<|endoftext|>")),
+    ]
+    for token_id in candidates:
+        if token_id is not None and token_id != tokenizer.unk_token_id and token_id not in ids:
+            ids.append(int(token_id))
+    return ids
+
+
+def load_tokenizer(
+    source: str | Path, *, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
+    """Load a tokenizer from a local folder, or build the byte tokenizer for ``"byte"``.
+
+    Robust to the transformers 5 pitfall where ``AutoTokenizer`` picks a class from the model
+    config (e.g. ``Qwen2Tokenizer``) that splits text differently from the saved
+    ``tokenizer.json``: whenever a ``tokenizer.json`` exists, the loaded tokenizer must encode a
+    probe text exactly like that file does, otherwise ``PreTrainedTokenizerFast`` (which uses
+    the file verbatim) is loaded instead.
+    """
+    if str(source) == BYTE_TOKENIZER:
+        return build_byte_tokenizer()
+    folder = Path(source)
+    if not folder.is_dir():
+        raise ConfigError(
+            [ConfigIssue("model.tokenizer", f"tokenizer folder {str(folder)!r} does not exist")]
+        )
+    tokenizer_file = folder / "tokenizer.json"
+    config_file = folder / "tokenizer_config.json"
+    saved_class = None
+    if config_file.exists():
+        saved_class = json.loads(config_file.read_text()).get("tokenizer_class")
+    if tokenizer_file.exists() and saved_class in _FILE_ONLY_CLASSES:
+        # The file is the whole truth; no class-specific behaviour to preserve.
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    if tokenizer_file.exists():
+        expected = (
+            Tokenizer.from_file(str(tokenizer_file)).encode(_PROBE, add_special_tokens=False).ids
+        )
+        got = tokenizer.encode(_PROBE, add_special_tokens=False)
+        if got != expected:
+            log.warning(
+                "%s loaded as %s encodes differently from its tokenizer.json; using the file",
+                folder,
+                type(tokenizer).__name__,
+            )
+            return PreTrainedTokenizerFast.from_pretrained(folder)
+    return tokenizer
+
+
+# --------------------------------------------------------------------------- models
+
+
+def _model_config(init: ModelInitConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
+    common: dict[str, Any] = {
+        "vocab_size": init.vocab_size,
+        "hidden_size": init.hidden_size,
+        "num_hidden_layers": init.num_layers,
+        "num_attention_heads": init.num_heads,
+        "num_key_value_heads": init.num_kv_heads,
+        "intermediate_size": init.intermediate_size,
+        "max_position_embeddings": init.max_position_embeddings,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        # Untied: the RL update of the output head should not move the input embeddings too.
+        "tie_word_embeddings": False,
+    }
+    if init.arch == "qwen2":
+        return Qwen2Config(**common)
+    return LlamaConfig(**common)
+
+
+def check_vocab(
+    vocab_size: int, tokenizer: PreTrainedTokenizerBase, *, key: str = "model.init.vocab_size"
+) -> None:
+    """Raise ``ConfigError`` when the model's embedding cannot hold every token id."""
+    needed = len(tokenizer)
+    if vocab_size < needed:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    key,
+                    f"is {vocab_size}, but the tokenizer has {needed} tokens (ids up to {needed - 1})",
+                    hint=f"set {key} to at least {needed}",
+                )
+            ]
+        )
+
+
+def build_tiny_model(
+    init: ModelInitConfig,
+    directory: str | Path,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> Path:
+    """Build a seeded random-init causal LM from ``[model.init]`` and save it to ``directory``.
+
+    The folder holds ``config.json``, ``generation_config.json``, safetensors weights and the
+    tokenizer (the byte tokenizer unless one is given), so ``load_policy`` — and vLLM — load it
+    like any checkpoint. The same ``init`` (seed included) always gives the same weights, and
+    the global torch RNG is left untouched.
+    """
+    tokenizer = (
+        tokenizer if tokenizer is not None else build_byte_tokenizer(init.max_position_embeddings)
+    )
+    check_vocab(init.vocab_size, tokenizer)
+    config = _model_config(init, tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(init.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=stop_token_ids(tokenizer),
+    )
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32"``/``"bfloat16"``/``"float16"`` (the config's ``Dtype``) as a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ConfigError([ConfigIssue("model.dtype", f"unknown dtype {dtype!r}")]) from None
+
+
+def load_policy(
+    path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    *,
+    tokenizer: str | Path | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a local HF causal-LM folder and its tokenizer, in eval mode.
+
+    ``tokenizer`` overrides where the tokenizer comes from (a folder or ``"byte"``); by default
+    it is the model folder. Raises ``ConfigError`` when the folder is missing or the model's
+    vocabulary cannot hold the tokenizer's ids.
+    """
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(
+            [ConfigIssue("model.path", f"{str(folder)!r} is not a model folder (no config.json)")]
+        )
+    tok = load_tokenizer(
+        tokenizer if tokenizer is not None else folder, trust_remote_code=trust_remote_code
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
+    )
+    check_vocab(model.get_input_embeddings().num_embeddings, tok, key="model.path")
+    model.eval()
+    return model, tok
