@@ -106,8 +106,10 @@ async def test_every_row_is_acked_exactly_once_through_sigkills(tmp_path) -> Non
     produced = {f"r{i}" for i in range(TOTAL)}
     delivered = Counter(line.split()[0] for line in deliveries.read_text().splitlines())
     print(
-        f"\nkills: {dict(kills)} (total {sum(kills.values())}); redeliveries after kills: "
-        f"{sum(n - 1 for n in delivered.values())}; duplicate puts ignored: {table.counters['duplicate_puts']}"
+        f"\nkills: {dict(kills)} (total {sum(kills.values())}); leases expired and re-leased: "
+        f"{table.counters['expired_leases']}; rows delivered more than once: "
+        f"{sum(n > 1 for n in delivered.values())}; duplicate puts ignored: "
+        f"{table.counters['duplicate_puts']}"
     )
     assert sum(kills.values()) == KILLS and kills["bus"] >= 1, kills
     assert table.counters["put"] == TOTAL  # every row entered exactly once, despite re-puts

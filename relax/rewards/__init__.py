@@ -1,0 +1,46 @@
+"""Reward functions: a registry of verifiers and ``RewardSet``, which runs them safely.
+
+    from relax.rewards import RewardSet
+    rewards = RewardSet.from_config(cfg.reward, answer_key=cfg.data.answer_key,
+                                    max_response_tokens=cfg.rollout.max_new_tokens)
+    result = await rewards.score(text, sample, response_tokens=n)
+    # result.ok, result.reward (weighted sum), result.components, result.reason
+
+Kinds (``[[reward.functions]] kind``): ``exact_match``, ``numeric``, ``regex``,
+``length_penalty`` (DAPO overlong shaping), ``python`` (a user function by import path) and
+``http`` (a JSON endpoint). A function that raises, overruns its timeout or returns NaN/Inf/a
+non-number fails the *sample* with a reason; ``score`` itself never raises.
+
+This package sits on the ``config`` floor: it imports only the standard library,
+``relax.errors`` and ``relax.config``.
+"""
+
+from __future__ import annotations
+
+from relax.rewards._parse import extract_answer, normalize_answer, parse_last_number
+from relax.rewards._set import FailureKind, RewardResult, RewardSet
+from relax.rewards._verifiers import (
+    VERIFIERS,
+    BuildContext,
+    OptionError,
+    Verifier,
+    build_verifier,
+    load_function,
+    register_verifier,
+)
+
+__all__ = [
+    "VERIFIERS",
+    "BuildContext",
+    "FailureKind",
+    "OptionError",
+    "RewardResult",
+    "RewardSet",
+    "Verifier",
+    "build_verifier",
+    "extract_answer",
+    "load_function",
+    "normalize_answer",
+    "parse_last_number",
+    "register_verifier",
+]
