@@ -1,0 +1,243 @@
+"""The plain-PyTorch training backend: one model, AdamW, gradient accumulation, safe steps."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from relax.algos import dynamic_sampling_mask
+from relax.config import AlgorithmConfig, TrainerConfig
+from relax.training import _checkpoint as ckpt
+from relax.training._base import StepResult, TrainingBackend
+from relax.training._batch import Batch, Row, pack_batch
+from relax.training._logprobs import forward_logprobs
+from relax.training._objective import (
+    aggregation,
+    check_supported,
+    compute_advantages,
+    loss_denominator,
+    micro_batch_loss,
+)
+
+log = logging.getLogger("relax.training")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Metrics that are maxima over micro-batches rather than weighted means.
+_MAX_METRICS = frozenset({"ratio_max"})
+
+
+def _non_finite_inputs(batch: Batch) -> str | None:
+    """Describe the first non-finite reward or counted per-token input, or ``None``."""
+    bad_rows = (~torch.isfinite(batch.rewards)).nonzero().flatten().tolist()
+    if bad_rows:
+        return f"non-finite reward in rows {bad_rows}"
+    for name in ("rollout_logprobs", "ref_logprobs", "values"):
+        tensor = getattr(batch, name)
+        if tensor is None:
+            continue
+        bad = (batch.mask > 0) & ~torch.isfinite(tensor)
+        if bad.any():
+            return f"non-finite {name} in rows {bad.any(dim=-1).nonzero().flatten().tolist()}"
+    return None
+
+
+class TorchBackend(TrainingBackend):
+    """Trains a Hugging Face causal LM in this process with ``torch.optim.AdamW``.
+
+    ``step(rows)`` packs the rows, drops zero-signal groups when ``dynamic_sampling`` is on,
+    computes advantages over the whole batch, then runs forward/backward in micro-batches of
+    ``trainer.micro_batch_size`` rows, clips the gradient to ``trainer.grad_clip`` and steps.
+    A non-finite loss or gradient norm, or a norm above ``trainer.max_grad_norm_skip``, skips
+    the step: gradients are dropped and weights and optimiser state stay bit-identical.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        trainer_config: TrainerConfig,
+        algorithm_config: AlgorithmConfig,
+        *,
+        pad_id: int = 0,
+        temperature: float = 1.0,
+    ) -> None:
+        """``temperature`` must match the rollout's sampling temperature (1.0 for RL)."""
+        check_supported(algorithm_config)
+        self.model = model.to(_DTYPES[trainer_config.dtype])
+        self.model.train()
+        self.trainer_config = trainer_config
+        self.algorithm_config = algorithm_config
+        self.pad_id = pad_id
+        # Greedy rollouts (temperature 0) give log-probs of the untempered model.
+        self.temperature = temperature if temperature > 0 else 1.0
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self._params,
+            lr=trainer_config.lr,
+            betas=trainer_config.betas,
+            weight_decay=trainer_config.weight_decay,
+        )
+        self._version = 0
+        self.skipped_steps = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights live."""
+        return next(self.model.parameters()).device
+
+    # ------------------------------------------------------------------ the step
+
+    def compute_gradients(self, rows: Sequence[Row]) -> tuple[dict[str, float], str | None]:
+        """Forward/backward over ``rows``, leaving the gradient in ``.grad``; no update.
+
+        Returns ``(metrics, problem)``: ``problem`` names why the step must not be applied
+        (empty batch, non-finite loss), else ``None``. Exposed for gradient checks in tests.
+        """
+        cfg = self.algorithm_config
+        self.optimizer.zero_grad(set_to_none=True)
+        batch = pack_batch(rows, self.pad_id).to(self.device)
+        metrics: dict[str, float] = {"rows": float(batch.size)}
+        bad = _non_finite_inputs(batch)
+        if bad is not None:
+            # Advantage estimators may quietly map a NaN reward to a zero advantage; a poisoned
+            # input is a bug upstream, so refuse the whole batch and say where it is.
+            return metrics, bad
+        if cfg.dynamic_sampling:
+            keep = dynamic_sampling_mask(batch.rewards, batch.group_ids).tolist()
+            metrics["dropped_rows"] = float(keep.count(False))
+            if not all(keep):
+                kept = [row for row, k in zip(rows, keep, strict=True) if k]
+                if not kept:
+                    return metrics, "every group has zero reward variance (dynamic sampling)"
+                batch = pack_batch(kept, self.pad_id).to(self.device)
+
+        advantages, adv_metrics = compute_advantages(batch, cfg)
+        metrics.update({k: v.item() for k, v in adv_metrics.items()})
+        agg = aggregation(cfg)
+        total = loss_denominator(batch.mask, agg)
+        metrics["tokens"] = float(batch.num_tokens)
+        if total.item() == 0:
+            return metrics, "no response tokens count in the loss"
+
+        sums: dict[str, float] = {}
+        micro = self.trainer_config.micro_batch_size
+        # Entropy is always reported; it only needs a graph when it is part of the loss.
+        entropy_in_loss = cfg.entropy_coef > 0
+        for start in range(0, batch.size, micro):
+            mb = batch.select(start, min(start + micro, batch.size))
+            weight = loss_denominator(mb.mask, agg) / total
+            if weight.item() == 0:
+                continue  # nothing counted here: its loss and gradient are exactly zero
+            logprobs, entropy = forward_logprobs(
+                self.model, mb, self.temperature, with_entropy=True, entropy_grad=entropy_in_loss
+            )
+            mb_adv = advantages[start : start + mb.size]
+            if mb_adv.dim() == 2:
+                mb_adv = mb_adv[:, : mb.mask.shape[1]]
+            loss, _, mb_metrics = micro_batch_loss(logprobs, entropy, mb, mb_adv, cfg)
+            mb_metrics["loss"] = loss.detach()
+            w = weight.item()
+            for key, value in mb_metrics.items():
+                v = value.item()
+                if key in _MAX_METRICS:
+                    sums[key] = max(sums.get(key, -math.inf), v)
+                else:
+                    sums[key] = sums.get(key, 0.0) + w * v
+            if not math.isfinite(mb_metrics["loss"].item()):
+                metrics.update(sums)
+                return metrics, f"non-finite loss ({mb_metrics['loss'].item()})"
+            (loss * weight).backward()
+        metrics.update(sums)
+        return metrics, None
+
+    def step(self, rows: Sequence[Row]) -> StepResult:
+        """One optimiser step on ``rows``; see the class docstring for when it is skipped."""
+        started = time.perf_counter()
+        metrics, problem = self.compute_gradients(rows)
+        grad_norm = math.nan
+        if problem is None:
+            grads = [p.grad for p in self._params if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
+            grad_norm = norm.item()
+            skip_above = self.trainer_config.max_grad_norm_skip
+            if not math.isfinite(grad_norm):
+                problem = f"non-finite grad norm ({grad_norm})"
+            elif skip_above is not None and grad_norm > skip_above:
+                problem = f"grad norm {grad_norm:.4g} above max_grad_norm_skip {skip_above:g}"
+            else:
+                torch.nn.utils.clip_grads_with_norm_(
+                    self._params, self.trainer_config.grad_clip, norm
+                )
+                self.optimizer.step()
+                self._version += 1
+        # Drop gradients either way: a skipped step must leave no trace for the next one.
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics.update(
+            grad_norm=grad_norm,
+            version=float(self._version),
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            step_time_s=time.perf_counter() - started,
+            skipped=float(problem is not None),
+        )
+        if problem is not None:
+            self.skipped_steps += 1
+            log.warning("training step skipped at version %d: %s", self._version, problem)
+            return StepResult(applied=False, metrics=metrics, skipped_reason=problem)
+        return StepResult(applied=True, metrics=metrics)
+
+    # ------------------------------------------------------------------ weights and checkpoints
+
+    def state_dict_for_publish(self) -> dict[str, torch.Tensor]:
+        """A detached, contiguous CPU copy of every weight (tied ones under each name)."""
+        return {
+            name: t.detach().to("cpu", copy=True).contiguous()
+            for name, t in self.model.state_dict().items()
+        }
+
+    def save_checkpoint(self, directory: str | Path) -> Path:
+        """Save to ``directory`` (written to a temp dir, then renamed into place).
+
+        Holds ``model.safetensors`` and ``config.json`` in Hugging Face layout (loadable with
+        ``from_pretrained``), the optimiser and RNG states, and the version.
+        """
+
+        def write(tmp: Path) -> None:
+            save = getattr(self.model, "save_pretrained", None)
+            if save is None:
+                raise TypeError("TorchBackend checkpoints need a Hugging Face model")
+            save(str(tmp))
+            torch.save(
+                {"optimizer": self.optimizer.state_dict(), "rng": ckpt.rng_state()},
+                tmp / ckpt.STATE_FILE,
+            )
+            ckpt.write_meta(
+                tmp,
+                {
+                    "backend": "torch",
+                    "version": self._version,
+                    "skipped_steps": self.skipped_steps,
+                    "python_random": ckpt.python_random_state(),
+                },
+            )
+
+        return ckpt.write_atomically(directory, write)
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Restore weights, optimiser, RNG states and version from ``directory``."""
+        path = Path(directory)
+        meta = ckpt.read_meta(path)
+        state = torch.load(path / ckpt.STATE_FILE, map_location="cpu", weights_only=True)
+        ckpt.load_model_weights(self.model, path)
+        self.optimizer.load_state_dict(state["optimizer"])
+        ckpt.set_rng_state(state["rng"])
+        ckpt.set_python_random_state(meta["python_random"])
+        self._version = int(meta["version"])
+        self.skipped_steps = int(meta.get("skipped_steps", 0))
