@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from relax.cli import _demo, _validate  # noqa: F401  (each module registers its commands)
+from relax.cli import _demo, _up, _validate  # noqa: F401  (each module registers its commands)
 from relax.cli._app import app
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from relax.cli._app import app
-from relax.config import load_config
+from relax.config import ClusterConfig, load_config
 from relax.errors import ConfigError, ConfigIssue
 
 EXIT_INVALID = 2
@@ -48,21 +49,26 @@ def validate(
     Nothing is started, and files the config points to (model folders, data) are not opened.
     """
     source = str(cluster_toml)
+    config = load_or_exit(cluster_toml, overrides or ())
+    if as_json:
+        typer.echo(config.model_dump_json(indent=2))
+    else:
+        typer.echo(config.summary())
+        typer.echo(f"{source} is valid.")
+
+
+def load_or_exit(cluster_toml: Path, overrides: Sequence[str] = ()) -> ClusterConfig:
+    """The validated config, or every problem printed to stderr and exit code 2 (nothing starts)."""
+    source = str(cluster_toml)
     try:
-        config = load_config(cluster_toml, overrides=overrides or ())
+        return load_config(cluster_toml, overrides=overrides)
     except ConfigError as exc:
         origin = exc.source if exc.source == "overrides" else source
         for issue in exc.issues:
             typer.echo(_format_issue(origin, issue), err=True)
         count = len(exc.issues)
         typer.echo(
-            f"{source} is invalid: {count} problem{'s' if count != 1 else ''};"
-            " nothing was started.",
+            f"{source} is invalid: {count} problem{'s' if count != 1 else ''}; nothing was started.",
             err=True,
         )
         raise typer.Exit(EXIT_INVALID) from None
-    if as_json:
-        typer.echo(config.model_dump_json(indent=2))
-    else:
-        typer.echo(config.summary())
-        typer.echo(f"{source} is valid.")

@@ -76,9 +76,10 @@ async def test_sigkill_child_is_restarted_and_answers_within_3s() -> None:
                 return False  # a call that raced the death; the next one waits for the restart
 
         await wait_until(answers_from_new_pid, timeout=10, what="restarted child to answer")
-        assert time.monotonic() - killed_at < 3.0
+        took = time.monotonic() - killed_at
         entry = find(await sup.snapshot(), "p")
-        assert entry["last_crash"]["signal"] == "SIGKILL" and entry["restart_count"] == 1
+        assert took < 3.0, f"answering again took {took:.2f}s: {entry}"
+        assert entry["last_crash"]["signal"] == "SIGKILL" and entry["restart_count"] == 1, entry
         assert not pid_alive(old)
 
 

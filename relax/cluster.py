@@ -1,0 +1,210 @@
+"""The composition root: a validated ``ClusterConfig`` becomes a running supervisor tree.
+
+::
+
+    root (strategy from [supervisor]; ends when the trainer finishes its steps)
+    ├── prompts    a bus of prompts (task "rollout")
+    ├── samples    the TransferQueue of samples (tasks "reward", "train"; staleness-paced)
+    ├── dataset    prompts → prompt bus
+    ├── reward-i   samples → reward column (failed rewards dropped with their group)
+    ├── trainer    whole groups within the staleness bound → step → publish weights
+    └── rollout-i  prompts + weights → admitted, generated samples
+
+Roles meet only on the buses. Everything a run writes goes under one run folder:
+the tiny model built from ``[model.init]``, the bus logs, ``metrics.jsonl``, checkpoints.
+"""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from relax.actors import ChildSpec, InProc, Placement, Process, Restart, Supervisor
+from relax.bus import BusService
+from relax.config import ClusterConfig
+from relax.errors import ConfigError
+from relax.roles import DatasetRole, RewardRole, RolloutRole, TrainerRole
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a run lives and how its parts reach each other."""
+
+    run_dir: Path
+    model_dir: Path
+    prompts_url: str
+    samples_url: str
+
+
+def prepare(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Layout:
+    """Create the run folder, build or check the model, and pick the bus addresses."""
+    root = (
+        Path(run_dir)
+        if run_dir
+        else Path(cfg.cluster.run_dir) / f"{cfg.cluster.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    root.mkdir(parents=True, exist_ok=True)
+    if cfg.model.init is not None:
+        from relax.engines import build_tiny_model
+
+        model_dir = root / "model"
+        if not (model_dir / "config.json").exists():
+            build_tiny_model(cfg.model.init, model_dir)
+    else:
+        model_dir = Path(cfg.model.path or "")
+        if not (model_dir / "config.json").exists():
+            raise ConfigError(
+                f"model.path: {str(model_dir)!r} is not a Hugging Face model folder (no config.json)"
+            )
+    transport = cfg.bus_transport
+    if transport == "inproc":
+        urls = (f"inproc://{root}/prompts", f"inproc://{root}/samples")
+    elif transport == "ipc":
+        sockets = Path(tempfile.mkdtemp(prefix="relax-"))  # unix socket paths must stay short
+        urls = (f"ipc://{sockets}/prompts.sock", f"ipc://{sockets}/samples.sock")
+    else:
+        urls = (f"tcp://{cfg.cluster.host}:{_free_port(cfg.cluster.host)}", _tcp_url(cfg))
+    return Layout(root, model_dir, *urls)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _tcp_url(cfg: ClusterConfig) -> str:
+    port = cfg.cluster.ports.bus or _free_port(cfg.cluster.host)
+    return f"tcp://{cfg.cluster.host}:{port}"
+
+
+def _placement(role: Any) -> Placement:
+    if role.placement == "inproc":
+        return InProc()
+    if role.placement == "process":
+        return Process(
+            heartbeat_interval=role.heartbeat_interval, heartbeat_timeout=role.heartbeat_timeout
+        )
+    raise ConfigError(
+        f"placement {role.placement!r} is not available yet; use 'inproc' or 'process'"
+    )
+
+
+def plain_config(cfg: ClusterConfig) -> dict[str, Any]:
+    """The config as plain data for the roles (it crosses process boundaries), secret included."""
+    data = cfg.model_dump(mode="json")
+    if cfg.cluster.secret is not None:
+        data["cluster"]["secret"] = cfg.cluster.secret.get_secret_value()
+    return data
+
+
+def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
+    """The supervisor tree of a run (see the module docstring)."""
+    plain = plain_config(cfg)
+    bus = cfg.bus
+    secret = plain["cluster"].get("secret")
+    common_bus = {
+        "persist": bus.persist,
+        "segment_bytes": bus.segment_bytes,
+        "fsync": bus.fsync,
+        "secret": secret,
+        "frame_bytes": bus.frame_bytes,
+        "max_message_bytes": bus.max_message_bytes,
+        "lease_timeout": bus.lease_timeout,
+    }
+    prompts_bus = {
+        **common_bus,
+        "url": layout.prompts_url,
+        "run_dir": str(layout.run_dir / "prompts"),
+        "tasks": ["rollout"],
+        "trainer_task": "rollout",
+        "staleness": "inf",
+        "capacity": max(4, 2 * cfg.rollout.batch_size * cfg.rollout.replicas),
+    }
+    samples_bus = {
+        **common_bus,
+        "url": layout.samples_url,
+        "run_dir": str(layout.run_dir / "samples"),
+        "tasks": ["reward", "train"],
+        "trainer_task": "train",
+        "staleness": cfg.staleness,
+        "capacity": bus.capacity,
+        "batch_size": cfg.trainer.global_batch_size,
+    }
+    where = {"model_dir": str(layout.model_dir)}
+    in_process = InProc() if cfg.bus_transport == "inproc" else Process()
+    children = [
+        ChildSpec("prompts", BusService, kwargs=prompts_bus, placement=in_process),
+        ChildSpec("samples", BusService, kwargs=samples_bus, placement=in_process),
+        ChildSpec(
+            "dataset",
+            DatasetRole,
+            kwargs={
+                "config": plain,
+                "prompts_url": layout.prompts_url,
+                "run_dir": str(layout.run_dir),
+                **where,
+            },
+            placement=_placement(cfg.dataset),
+        ),
+    ]
+    for i in range(cfg.reward.replicas):
+        children.append(
+            ChildSpec(
+                f"reward-{i}",
+                RewardRole,
+                kwargs={"config": plain, "samples_url": layout.samples_url, **where},
+                placement=_placement(cfg.reward),
+            )
+        )
+    children.append(
+        ChildSpec(
+            "trainer",
+            TrainerRole,
+            kwargs={
+                "config": plain,
+                "samples_url": layout.samples_url,
+                "run_dir": str(layout.run_dir),
+                **where,
+            },
+            placement=_placement(cfg.trainer),
+            restart=Restart.TRANSIENT,  # finishing its steps ends the run
+            shutdown=cfg.shutdown_for(cfg.trainer),
+        )
+    )
+    for i in range(cfg.rollout.replicas):
+        children.append(
+            ChildSpec(
+                f"rollout-{i}",
+                RolloutRole,
+                kwargs={
+                    "config": plain,
+                    "prompts_url": layout.prompts_url,
+                    "samples_url": layout.samples_url,
+                    **where,
+                },
+                placement=_placement(cfg.rollout),
+            )
+        )
+    sup = cfg.supervisor
+    return Supervisor(
+        children,
+        strategy=sup.strategy,
+        intensity=sup.intensity,
+        period=sup.period,
+        auto_shutdown="any_significant",
+        significant=["trainer"],
+        name=cfg.cluster.name,
+    )
+
+
+async def run(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Layout:
+    """Run a whole cluster until the trainer finishes (or the tree gives up, which raises)."""
+    layout = prepare(cfg, run_dir)
+    async with build_tree(cfg, layout) as tree:
+        await tree.wait()
+    return layout

@@ -1,0 +1,32 @@
+"""What every role shares: its slice of the config, and its bus connections."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from relax.bus import BusClient
+from relax.config import ClusterConfig
+
+
+def cluster_config(config: dict[str, Any]) -> ClusterConfig:
+    """Roles receive the validated config as plain data (it crosses process boundaries)."""
+    return ClusterConfig.model_validate(config)
+
+
+def cluster_secret(cfg: ClusterConfig) -> str | None:
+    """The shared secret: from the config, or from the environment variable it names."""
+    if cfg.cluster.secret_env:
+        return os.environ.get(cfg.cluster.secret_env)
+    return cfg.cluster.secret.get_secret_value() if cfg.cluster.secret else None
+
+
+async def connect_bus(url: str, cfg: ClusterConfig, name: str) -> BusClient:
+    return await BusClient.connect(
+        url, secret=cluster_secret(cfg), client_id=name, connect_timeout=60
+    )
+
+
+def as_list(value: Any) -> list[Any]:
+    """A column as a plain list (columns may arrive as tensors)."""
+    return value.tolist() if hasattr(value, "tolist") else list(value)

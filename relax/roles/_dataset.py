@@ -1,0 +1,59 @@
+"""The dataset role: streams prompts onto the prompt bus, and remembers where it was."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+from relax.actors import Actor
+from relax.engines import load_tokenizer
+from relax.roles._common import cluster_config, connect_bus
+from relax.roles._prompts import prompt_stream
+
+
+class DatasetRole(Actor):
+    """Puts prompt rows (``prompt_ids``, ``answer``) on the prompt bus, as fast as the bus's
+    capacity lets it (backpressure). Its position is saved after every put, so a restarted
+    dataset continues instead of starting over; a prompt put twice is deduplicated anyway."""
+
+    def __init__(
+        self, *, config: dict[str, Any], prompts_url: str, model_dir: str, run_dir: str
+    ) -> None:
+        self.cfg = cluster_config(config)
+        self.prompts_url, self.model_dir = prompts_url, model_dir
+        self.position_file = Path(run_dir, "dataset.position.json")
+
+    def _position(self) -> int:
+        if self.position_file.exists():
+            return int(json.loads(self.position_file.read_text())["next"])
+        return 0
+
+    def _save(self, position: int) -> None:
+        tmp = self.position_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"next": position}))
+        tmp.replace(self.position_file)
+
+    async def run(self) -> None:
+        data = self.cfg.data
+        tokenizer = load_tokenizer(self.model_dir)
+        start = self._position()
+        stream = itertools.islice(prompt_stream(data.model_dump()), start, None)
+        async with await connect_bus(self.prompts_url, self.cfg, "dataset") as bus:
+            for position, item in enumerate(stream, start):
+                ids = tokenizer.encode(item["prompt"], add_special_tokens=False)[
+                    : data.max_prompt_tokens
+                ]
+                row = {
+                    "uid": item["id"],
+                    "group": item["id"],
+                    "version": 0,
+                    "columns": {
+                        "prompt_ids": ids,
+                        "answer": item["answer"],
+                        "text": item["prompt"],
+                    },
+                }
+                await bus.put([row], wait=3600)
+                self._save(position + 1)

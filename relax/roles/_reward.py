@@ -1,0 +1,48 @@
+"""The reward role: scores generated samples; a sample whose reward fails is dropped, with its
+group, and never trained on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relax.actors import Actor
+from relax.engines import load_tokenizer
+from relax.rewards import RewardSet
+from relax.roles._common import as_list, cluster_config, connect_bus
+
+
+class RewardRole(Actor):
+    def __init__(self, *, config: dict[str, Any], samples_url: str, model_dir: str) -> None:
+        self.cfg = cluster_config(config)
+        self.samples_url, self.model_dir = samples_url, model_dir
+        self.failed = 0
+
+    def statistics(self) -> dict[str, Any]:
+        return {"failed": self.failed, **self.rewards.statistics()}
+
+    async def on_start(self) -> None:
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.rewards = RewardSet.from_config(
+            self.cfg.reward,
+            answer_key="answer",
+            max_response_tokens=self.cfg.rollout.max_new_tokens,
+        )
+
+    async def run(self) -> None:
+        async with await connect_bus(
+            self.samples_url, self.cfg, f"reward-{self.context.rank}"
+        ) as bus:
+            while True:
+                async with bus.take(
+                    "reward", batch_size=64, columns=["response_ids", "answer"], wait=1.0
+                ) as batch:
+                    for row in batch.rows:
+                        ids = as_list(row["columns"]["response_ids"])
+                        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                        sample = {"answer": row["columns"]["answer"]}
+                        result = await self.rewards.score(text, sample, response_tokens=len(ids))
+                        if result.ok:
+                            await bus.add_columns(row["uid"], {"reward": float(result.reward)})
+                        else:
+                            self.failed += 1
+                            batch.drop([row["uid"]], "reward_failed")
