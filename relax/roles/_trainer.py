@@ -9,6 +9,7 @@ acked: they were consumed, and retrying the same poisoned batch would skip again
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -42,8 +43,10 @@ class TrainerRole(Actor):
             pad_id=pad,
             temperature=self.cfg.rollout.temperature,
         )
+        # A trainer restarted inside a run (or a run resumed into its old folder) continues
+        # from its newest checkpoint; see run() for weights published after that checkpoint.
         latest = self._latest_checkpoint()
-        if latest is not None and self.cfg.checkpoint.resume:
+        if latest is not None:
             self.backend.load_checkpoint(latest)
             self.log.info("resumed from checkpoint", path=str(latest), version=self.backend.version)
 
@@ -65,7 +68,11 @@ class TrainerRole(Actor):
         cfg = self.cfg
         size = cfg.trainer.global_batch_size
         async with await connect_bus(self.samples_url, cfg, "trainer") as bus:
-            if self.backend.version > 0:  # resumed: make the rollouts catch up first
+            newer = await bus.poll_weights(after=self.backend.version, wait=0)
+            if newer is not None:  # published after our last checkpoint: continue from there
+                self.backend.adopt(*newer)
+                self.log.warning("continuing from published weights", version=newer[0])
+            elif self.backend.version > 0:  # a resumed run: the rollouts catch up first
                 await bus.publish_weights(
                     self.backend.version, self.backend.state_dict_for_publish()
                 )
@@ -92,7 +99,10 @@ class TrainerRole(Actor):
                         for r in batch.rows
                     ]
                     versions = [r["version"] for r in batch.rows]
-                    result = self.backend.step([row for row in rows if row["response_ids"]])
+                    # Off the event loop: heartbeats must keep flowing during a long step.
+                    result = await asyncio.to_thread(
+                        self.backend.step, [r for r in rows if r["response_ids"]]
+                    )
                     record = {
                         "step": self.backend.version,
                         "applied": result.applied,
@@ -110,7 +120,7 @@ class TrainerRole(Actor):
                         )
                         every = cfg.checkpoint.every_steps
                         if every and self.backend.version % every == 0:
-                            self._checkpoint()
+                            await asyncio.to_thread(self._checkpoint)
 
     def _record(self, record: dict[str, Any]) -> None:
         self.history.append(record)

@@ -202,6 +202,18 @@ class TorchBackend(TrainingBackend):
             for name, t in self.model.state_dict().items()
         }
 
+    def adopt(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+        """Continue from published weights ``version`` (a trainer restarted without a
+        checkpoint of that version). The optimiser state starts afresh: it was not published."""
+        with torch.no_grad():
+            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+        if unexpected or [m for m in missing if m not in _tied_names(self.model)]:
+            raise ValueError(
+                f"published weights do not fit the model: missing {missing}, unexpected {unexpected}"
+            )
+        self.optimizer.state.clear()
+        self._version = version
+
     def save_checkpoint(self, directory: str | Path) -> Path:
         """Save to ``directory`` (written to a temp dir, then renamed into place).
 
@@ -241,3 +253,15 @@ class TorchBackend(TrainingBackend):
         ckpt.set_python_random_state(meta["python_random"])
         self._version = int(meta["version"])
         self.skipped_steps = int(meta.get("skipped_steps", 0))
+
+
+def _tied_names(model: torch.nn.Module) -> set[str]:
+    """Parameter names that share storage with another (absent from some state dicts)."""
+    seen: dict[int, str] = {}
+    tied = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        ptr = tensor.data_ptr()
+        if ptr in seen:
+            tied.add(name)
+        seen[ptr] = name
+    return tied
