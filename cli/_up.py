@@ -27,6 +27,14 @@ def up(
     run_dir: Annotated[
         Path | None, typer.Option(help="Run folder (default: cluster.run_dir/NAME-TIMESTAMP).")
     ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="Continue the newest run of this cluster (or --run-dir): its checkpoint, bus "
+            "logs, weights and dataset position.",
+        ),
+    ] = False,
 ) -> None:
     """Start the cluster described by CLUSTER_TOML and train until trainer.steps are done."""
     from relax import cluster
@@ -37,6 +45,9 @@ def up(
     configure_logging(level=cfg.logging.level, fmt=cfg.logging.format)
     _quiet_transformers()
     typer.echo(cfg.summary())
+    if resume:
+        run_dir = run_dir or _newest_run(Path(cfg.cluster.run_dir), cfg.cluster.name)
+        typer.echo(f"resuming {run_dir}")
     try:
         layout = asyncio.run(cluster.run(cfg, run_dir))
     except RelaxError as exc:
@@ -61,3 +72,14 @@ def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+
+
+def _newest_run(runs: Path, name: str) -> Path:
+    found = sorted(p for p in runs.glob(f"{name}-*") if p.is_dir()) if runs.exists() else []
+    if not found:
+        typer.echo(
+            f"nothing to resume: no run of {name!r} in {runs}/; start one without --resume",
+            err=True,
+        )
+        raise typer.Exit(2)
+    return found[-1]

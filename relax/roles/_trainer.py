@@ -68,11 +68,16 @@ class TrainerRole(Actor):
         cfg = self.cfg
         size = cfg.trainer.global_batch_size
         async with await connect_bus(self.samples_url, cfg, "trainer") as bus:
-            newer = await bus.poll_weights(after=self.backend.version, wait=0)
+            published = (await bus.statistics())["weights"]["current"]
+            newer = (
+                await bus.poll_weights(after=self.backend.version, wait=0)
+                if published > self.backend.version
+                else None
+            )
             if newer is not None:  # published after our last checkpoint: continue from there
                 self.backend.adopt(*newer)
                 self.log.warning("continuing from published weights", version=newer[0])
-            elif self.backend.version > 0:  # a resumed run: the rollouts catch up first
+            elif published < self.backend.version:  # a resumed run: the rollouts catch up first
                 await bus.publish_weights(
                     self.backend.version, self.backend.state_dict_for_publish()
                 )

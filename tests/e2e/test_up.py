@@ -95,3 +95,33 @@ def test_relax_up_runs_a_config_and_reports(tmp_path) -> None:
     )
     assert bad.returncode == 2 and "trainer.stepz" in bad.stderr
     assert len(metrics(tmp_path / "run")) == 2  # the bad override started nothing
+
+
+def test_relax_up_resume_continues_the_newest_run(tmp_path) -> None:
+    toml = tmp_path / "cluster.toml"
+    toml.write_text(
+        TINY.format(staleness=1, steps=2, placement="") + "\n[checkpoint]\nevery_steps = 1\n"
+    )
+    toml.write_text(
+        toml.read_text().replace('name = "e2e"', f'name = "e2e"\nrun_dir = "{tmp_path / "runs"}"')
+    )
+    up = [sys.executable, "-m", "relax.cli", "up", str(toml)]
+    nothing = subprocess.run([*up, "--resume"], capture_output=True, text=True, timeout=300)
+    assert nothing.returncode == 2 and "nothing to resume" in nothing.stderr
+    first = subprocess.run(up, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = subprocess.run(
+        [*up, "--resume", "--set", "trainer.steps=4"], capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    (run,) = list((tmp_path / "runs").iterdir())
+    assert [s["step"] for s in metrics(run) if s["applied"]] == [
+        1,
+        2,
+        3,
+        4,
+    ]  # continued, not restarted
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step-00000003",
+        "step-00000004",
+    ]
