@@ -25,9 +25,20 @@ from relax.log import bind_actor
 _KILL_GRACE = 1.0
 
 
-def _expire(fut: asyncio.Future[Any], what: str, timeout: float) -> None:
+def fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    """Fail a caller's future, if it is still waiting.
+
+    The exception is marked as retrieved: a caller that already went away (it timed out, or
+    its send failed and it raised on its own) must not leave an "exception was never
+    retrieved" behind; one still awaiting the future gets it all the same.
+    """
     if not fut.done():
-        fut.set_exception(CallTimeout(f"{what}: no reply within {timeout:g}s"))
+        fut.set_exception(exc)
+        fut.exception()
+
+
+def _expire(fut: asyncio.Future[Any], what: str, timeout: float) -> None:
+    fail(fut, CallTimeout(f"{what}: no reply within {timeout:g}s"))
 
 
 async def await_reply(fut: asyncio.Future[Any], timeout: float | None, what: str) -> Any:
@@ -202,8 +213,8 @@ class Cell:
         while not self._mailbox.empty():
             pending.append(self._mailbox.get_nowait().reply)
         for reply in pending:
-            if reply is not None and not reply.done():
-                reply.set_exception(dead)
+            if reply is not None:
+                fail(reply, dead)
         if not self.done.done():
             self.done.set_result(exit_)
 
@@ -288,8 +299,8 @@ class Cell:
             self._failed += 1
             if env.reply is None:
                 self._crash(exc)  # nobody to tell: let it crash, the supervisor decides
-            elif not env.reply.done():
-                env.reply.set_exception(exc)
+            else:
+                fail(env.reply, exc)
         else:
             self._in_flight.discard(env)
             self._handled += 1

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import pynng
 
-from relax.actors._cell import await_reply
+from relax.actors._cell import await_reply, fail
 from relax.actors._exit import Exit
 from relax.actors._protocol import ENV_ADDR, ENV_TOKEN, Channel, exit_from_wire
 from relax.errors import ActorDead, RelaxError, StartFailed, TransportError, error_from_dict
@@ -224,8 +224,7 @@ class ProcessMember:
         if not self.done.done():
             self.done.set_result(exit_)
         for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(dead)
+            fail(fut, dead)
         self._pending.clear()
         for task in self._tasks:
             if task is not asyncio.current_task():
