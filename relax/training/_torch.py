@@ -205,12 +205,15 @@ class TorchBackend(TrainingBackend):
     def adopt(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         """Continue from published weights ``version`` (a trainer restarted without a
         checkpoint of that version). The optimiser state starts afresh: it was not published."""
-        with torch.no_grad():
-            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
-        if unexpected or [m for m in missing if m not in _tied_names(self.model)]:
+        expected = set(self.model.state_dict())
+        unexpected = sorted(set(state_dict) - expected)
+        missing = sorted(expected - set(state_dict) - _tied_names(self.model))
+        if unexpected or missing:  # checked before anything is copied: no half-loaded model
             raise ValueError(
                 f"published weights do not fit the model: missing {missing}, unexpected {unexpected}"
             )
+        with torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=False)
         self.optimizer.state.clear()
         self._version = version
 

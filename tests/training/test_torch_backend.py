@@ -312,3 +312,18 @@ def test_clear_errors_for_missing_columns_and_unsupported_combinations(load_mode
         _backend(load_model(), {"loss": "gspo", "off_policy": "tis"})
     with pytest.raises(ConfigError, match="dual_clip"):
         _backend(load_model(), {"off_policy": "decoupled", "dual_clip": 3.0})
+
+
+def test_adopt_continues_from_published_weights(load_model) -> None:
+    trained = _backend(load_model())
+    trained.step(make_rows(model=trained.model))
+    published = trained.state_dict_for_publish()
+    fresh = _backend(load_model())  # a restarted trainer without a checkpoint of that version
+    fresh.adopt(trained.version, published)
+    assert fresh.version == trained.version == 1
+    assert _same(fresh.state_dict_for_publish(), published)
+    assert not fresh.optimizer.state  # the optimiser starts afresh: it was never published
+    result = fresh.step(make_rows(seed=3, model=fresh.model))
+    assert result.applied and fresh.version == 2
+    with pytest.raises(ValueError, match="do not fit"):
+        fresh.adopt(5, {"not.a.weight": published[next(iter(published))]})
