@@ -135,61 +135,39 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
         "capacity": bus.capacity,
         "batch_size": cfg.trainer.global_batch_size,
     }
-    where = {"model_dir": str(layout.model_dir)}
     in_process = InProc() if cfg.bus_transport == "inproc" else Process()
+    shared = {"config": plain, "model_dir": str(layout.model_dir)}
+    run_dir = {"run_dir": str(layout.run_dir)}
+    prompts_at = {"prompts_url": layout.prompts_url}
+    samples_at = {"samples_url": layout.samples_url}
+
+    def role(
+        child_id: str, cls: type, role_cfg: Any, *, restart: str | None = None, **kwargs: Any
+    ) -> ChildSpec:
+        return ChildSpec(
+            child_id,
+            cls,
+            kwargs={**shared, **kwargs},
+            placement=_placement(role_cfg),
+            restart=Restart(restart or role_cfg.restart),
+            shutdown=cfg.shutdown_for(role_cfg),
+        )
+
     children = [
         ChildSpec("prompts", BusService, kwargs=prompts_bus, placement=in_process),
         ChildSpec("samples", BusService, kwargs=samples_bus, placement=in_process),
-        ChildSpec(
-            "dataset",
-            DatasetRole,
-            kwargs={
-                "config": plain,
-                "prompts_url": layout.prompts_url,
-                "run_dir": str(layout.run_dir),
-                **where,
-            },
-            placement=_placement(cfg.dataset),
+        role("dataset", DatasetRole, cfg.dataset, **prompts_at, **run_dir),
+        *(
+            role(f"reward-{i}", RewardRole, cfg.reward, **samples_at)
+            for i in range(cfg.reward.replicas)
+        ),
+        # The trainer is transient: finishing its steps is a normal end, which ends the run.
+        role("trainer", TrainerRole, cfg.trainer, restart="transient", **samples_at, **run_dir),
+        *(
+            role(f"rollout-{i}", RolloutRole, cfg.rollout, **prompts_at, **samples_at)
+            for i in range(cfg.rollout.replicas)
         ),
     ]
-    for i in range(cfg.reward.replicas):
-        children.append(
-            ChildSpec(
-                f"reward-{i}",
-                RewardRole,
-                kwargs={"config": plain, "samples_url": layout.samples_url, **where},
-                placement=_placement(cfg.reward),
-            )
-        )
-    children.append(
-        ChildSpec(
-            "trainer",
-            TrainerRole,
-            kwargs={
-                "config": plain,
-                "samples_url": layout.samples_url,
-                "run_dir": str(layout.run_dir),
-                **where,
-            },
-            placement=_placement(cfg.trainer),
-            restart=Restart.TRANSIENT,  # finishing its steps ends the run
-            shutdown=cfg.shutdown_for(cfg.trainer),
-        )
-    )
-    for i in range(cfg.rollout.replicas):
-        children.append(
-            ChildSpec(
-                f"rollout-{i}",
-                RolloutRole,
-                kwargs={
-                    "config": plain,
-                    "prompts_url": layout.prompts_url,
-                    "samples_url": layout.samples_url,
-                    **where,
-                },
-                placement=_placement(cfg.rollout),
-            )
-        )
     sup = cfg.supervisor
     return Supervisor(
         children,

@@ -282,6 +282,8 @@ class BusClient:
 
 def _buckets(state: dict[str, Any], bucket_bytes: int) -> list[dict[str, Any]]:
     """Split a state dict into buckets of about ``bucket_bytes`` (a big tensor gets its own)."""
+    if not state:
+        raise BusError("cannot publish an empty state dict")
     buckets: list[dict[str, Any]] = [{}]
     size = 0
     for name, tensor in state.items():
@@ -291,8 +293,4 @@ def _buckets(state: dict[str, Any], bucket_bytes: int) -> list[dict[str, Any]]:
             size = 0
         buckets[-1][name] = tensor
         size += nbytes
-    if not buckets[-1] and len(buckets) > 1:
-        buckets.pop()
-    if not state:
-        raise BusError("cannot publish an empty state dict")
     return buckets

@@ -85,7 +85,7 @@ class BusService(Actor):
         self.next_seq = 0  # the log position the next record will get
         self.compact_every = compact_every  # records between compactions: keeps the log short
         self.since_compact = self.bytes_since_compact = 0
-        self.stats = {"bytes_in": 0, "bytes_out": 0, "requests": 0, "recovered_records": 0}
+        self.stats = {"requests": 0, "recovered_records": 0}  # bytes moved: see "transport"
 
     # ------------------------------------------------------------------ lifecycle
 

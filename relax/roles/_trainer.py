@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,4 @@ class TrainerRole(Actor):
         keep = self.cfg.checkpoint.keep_last
         old = sorted(self._checkpoints().glob("step-*"))
         for stale in old[:-keep] if keep else []:
-            import shutil
-
             shutil.rmtree(stale, ignore_errors=True)
