@@ -40,6 +40,10 @@ class Batch:
     trainer_version: int = 0
     rows: list[dict[str, Any]] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)
+    acked: bool = False
+    """Set once the rows were acked together with a weights commit (nothing left to ack)."""
+    skipped_step: bool = False
+    """Set by a trainer that consumed these rows in a skipped step (see ``BusTable.ack``)."""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -158,7 +162,7 @@ class BusClient:
                 with contextlib.suppress(Exception):
                     await self.release(batch)
             raise
-        if batch.rows:
+        if batch.rows and not batch.acked:
             await self.ack(batch)
 
     async def ack(self, batch: Batch) -> int:
@@ -169,7 +173,10 @@ class BusClient:
             await self._call({"op": "release", "task": batch.task, "items": items, "drop": reason})
         if not keep:
             return 0
-        return await self._call({"op": "ack", "task": batch.task, "items": keep})
+        request = {"op": "ack", "task": batch.task, "items": keep}
+        if batch.skipped_step:
+            request["skipped_step"] = True
+        return await self._call(request)
 
     async def release(self, batch: Batch, *, drop: str | None = None) -> None:
         """Give the batch back to the queue (or drop it for good with a reason)."""
@@ -193,6 +200,7 @@ class BusClient:
         bucket_bytes: int = 64 << 20,
         set_trainer_version: bool = True,
         group: Any = None,
+        ack: Batch | None = None,
     ) -> int:
         """Publish ``state`` as weight version ``version`` in buckets; visible only once whole.
 
@@ -200,6 +208,10 @@ class BusClient:
         subscribers joined, this process its source), the bus carries only the version and
         layout and the bytes go over the group (NCCL on GPUs, gloo on CPU), one collective per
         bucket. Returns the number of buckets. Committing also moves the trainer version.
+
+        ``ack``: the batch these weights were trained on, acked in the same bus operation as
+        the commit — a trainer killed in between can neither lose the update's rows nor have
+        them trained again on top of weights that already contain them.
         """
         buckets = _buckets(state, bucket_bytes)
         meta: dict[str, Any] = {"buckets": len(buckets), "names": list(state)}
@@ -218,9 +230,15 @@ class BusClient:
                 await self._call(
                     {"op": "w_put", "version": version, "index": index, "tensors": bucket}
                 )
-        await self._call(
-            {"op": "w_commit", "version": version, "set_trainer_version": set_trainer_version}
-        )
+        commit: dict[str, Any] = {
+            "op": "w_commit",
+            "version": version,
+            "set_trainer_version": set_trainer_version,
+        }
+        if ack is not None and ack.rows:
+            commit["ack"] = {"task": ack.task, "items": ack.items}
+            ack.acked = True
+        await self._call(commit)
         if group is not None:
             for bucket in buckets:
                 await group.broadcast_bucket(list(bucket.values()), src=group.rank)

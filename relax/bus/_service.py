@@ -231,7 +231,11 @@ class BusService(Actor):
         }
 
     async def _op_ack(self, req: dict[str, Any], peer: Peer) -> int:
-        ops, n = self.table.ack(req["task"], [tuple(i) for i in req["items"]])
+        ops, n = self.table.ack(
+            req["task"],
+            [tuple(i) for i in req["items"]],
+            skipped_step=bool(req.get("skipped_step")),
+        )
         await self._commit(ops)
         return n
 
@@ -278,8 +282,13 @@ class BusService(Actor):
         version = int(req["version"])
         # Writing the version to disk happens on a thread; it is visible once it is written.
         await asyncio.to_thread(self.weights.commit, version)
+        ops = []
+        if req.get("ack"):  # the rows these weights were trained on, acked atomically with them
+            ops += self.table.ack(req["ack"]["task"], [tuple(i) for i in req["ack"]["items"]])[0]
         if req.get("set_trainer_version", True):
-            await self._commit(self.table.set_version(version))
+            ops += self.table.set_version(version)
+        if ops:
+            await self._commit(ops)
         async with self.changed:
             self.changed.notify_all()
 

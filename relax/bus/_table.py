@@ -277,11 +277,15 @@ class BusTable:
     def _ready(row: Row, task: str, columns: Any) -> bool:
         return row.progress[task][0] == "pending" and all(c in row.columns for c in columns)
 
-    def ack(self, task: str, items: list[Item]) -> tuple[list[Op], int]:
+    def ack(
+        self, task: str, items: list[Item], *, skipped_step: bool = False
+    ) -> tuple[list[Op], int]:
         """Ops that record ``task``'s acks; returns how many rows this acked for the first time.
 
         An ack quoting an old attempt (its lease expired and the row went to someone else) is
-        ignored; acking a row twice counts once.
+        ignored; acking a row twice counts once. ``skipped_step``: the trainer consumed these
+        rows in a step it skipped (non-finite loss, …), so one batch went by without a new
+        version — pacing must count it, or producers would wait for a version that never comes.
         """
         if task not in self.tasks:
             raise UnknownTask(f"unknown consumer task {task!r}")
@@ -297,6 +301,8 @@ class BusTable:
         ops: list[Op] = [{"op": "ack", "task": task, "items": valid}] if valid else []
         if stale:
             ops.append({"op": "count", "name": "ignored_acks", "n": stale})
+        if skipped_step and valid and task == self.trainer_task:
+            ops.append({"op": "count", "name": "skipped_steps", "n": 1})
         return self._apply_all(ops), len(valid)
 
     def release(self, task: str, items: list[Item], *, drop: str | None = None) -> list[Op]:
@@ -332,7 +338,10 @@ class BusTable:
             return [], "full"
         if not math.isinf(self.staleness):
             in_play = self.trained + len(self.rows) + self.admitted_rows()
-            if in_play + rows > (version + self.staleness + 1) * self.batch_size:
+            # Batches consumed so far = versions + skipped steps; a row admitted now will be
+            # consumed within `staleness` of them.
+            slots = version + self.counters["skipped_steps"] + self.staleness + 1
+            if in_play + rows > slots * self.batch_size:
                 return [], "ahead"
         op = {
             "op": "admit",

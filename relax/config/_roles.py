@@ -136,6 +136,8 @@ class RolloutConfig(RoleConfig):
     """Strings that end a response early (the stop string is kept in the response)."""
     weight_sync_timeout: Seconds = 60.0
     """Seconds a replica waits for new weights before the sync counts as failed."""
+    seed: int | None = 0
+    """Seed of sampling: each prompt's samples come from generators seeded by (seed, prompt id), so a run is reproducible and a retried prompt reproduces its samples; unset draws fresh randomness."""
     interruptible: bool = True
     """Let a weight update interrupt generation in flight (the rest of the response is generated with the new weights and per-token versions are recorded); if false, updates wait for the batch to finish."""
     vllm: VllmConfig = VllmConfig()

@@ -33,6 +33,7 @@ from relax.engines._models import (
     stop_token_ids,
     torch_dtype,
 )
+from relax.engines._select import open_engine
 
 __all__ = [
     "BYTE_TOKENIZER",
@@ -50,6 +51,7 @@ __all__ = [
     "check_vocab",
     "load_policy",
     "load_tokenizer",
+    "open_engine",
     "stop_token_ids",
     "torch_dtype",
 ]

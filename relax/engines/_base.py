@@ -91,9 +91,14 @@ class Generation:
     finish_reason: FinishReason
     """"stop": a stop token was generated; "length": ``max_new_tokens`` was reached."""
     version: int
-    """Weights version that generated every token of this response."""
+    """Oldest weights version that generated any token of this response (the version its
+    staleness is judged by); every token's, when an update landed mid-response, is in
+    ``token_versions``."""
     index: int = 0
     """Which of the ``n`` samples of its prompt this is (0-based)."""
+    token_versions: list[int] | None = None
+    """Weights version whose logits each token of ``response_ids`` was sampled from; ``None``
+    when the engine does not track it (then every token is ``version``)."""
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
@@ -101,9 +106,11 @@ class GenerationEngine(abc.ABC):
     """A backend that samples responses and swaps weights between versions.
 
     Concurrency contract: ``generate`` and ``load_weights`` may be awaited concurrently from one
-    event loop. A generation runs entirely on one weights version — the one in its
-    ``Generation.version`` — and ``load_weights`` never lets a generation see a mix of two.
-    Neither blocks the event loop while the model computes.
+    event loop, and neither blocks the event loop while the model computes. Weights switch
+    atomically: no forward pass ever sees a mix of two versions. By default a generation runs
+    entirely on one version (``load_weights`` waits for it); an engine built *interruptible*
+    instead lets an update land between two tokens of a generation in flight, and records the
+    version of every token (``Generation.token_versions``), as partial-rollout systems do.
     """
 
     @property
@@ -122,9 +129,13 @@ class GenerationEngine(abc.ABC):
         top_k: int = 0,
         stop_token_ids: Sequence[int] = (),
         n: int = 1,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
     ) -> list[Generation]:
         """Sample ``n`` responses per prompt.
+
+        ``seed``: one int seeds the whole call; a sequence gives each prompt its own seed, so a
+        prompt's samples do not depend on which other prompts share the batch (a retried prompt
+        reproduces its samples).
 
         Returns ``len(prompts) * n`` generations, grouped by prompt: prompt ``i``'s samples are
         at ``i * n … i * n + n - 1`` (with ``index`` 0 … n - 1).
@@ -134,7 +145,8 @@ class GenerationEngine(abc.ABC):
     async def load_weights(self, version: int, state_dict: StateDict) -> None:
         """Replace the weights by ``state_dict`` and start serving ``version``, atomically.
 
-        Waits for in-flight generations to finish first. Raises ``EngineError`` (and changes
+        Waits for in-flight generations to finish first (an interruptible engine instead swaps
+        between two of their tokens). Raises ``EngineError`` (and changes
         nothing) when names or shapes do not match the model, or the version goes backwards.
         """
 

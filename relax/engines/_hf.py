@@ -24,11 +24,12 @@ How it works, and why:
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -53,6 +54,7 @@ class HFEngine(GenerationEngine):
         version: int = 0,
         max_batch_size: int = 64,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        interruptible: bool = False,
     ) -> None:
         if max_batch_size < 1:
             raise EngineError(f"max_batch_size must be at least 1, got {max_batch_size}")
@@ -67,6 +69,10 @@ class HFEngine(GenerationEngine):
         self._version = version
         self._lock: asyncio.Lock | None = None
         self._thread_lock = threading.Lock()
+        self.interruptible = interruptible
+        self._pending_lock = threading.Lock()
+        self._pending: list[tuple[int, list[tuple[str, torch.Tensor]], Future[None]]] = []
+        self._generating = False
         self._stats: dict[str, float | int] = {
             "requests": 0,
             "sequences": 0,
@@ -75,6 +81,7 @@ class HFEngine(GenerationEngine):
             "generate_seconds": 0.0,
             "weight_loads": 0,
             "weight_load_seconds": 0.0,
+            "interrupted_loads": 0,
         }
 
     @classmethod
@@ -86,6 +93,7 @@ class HFEngine(GenerationEngine):
         tokenizer: str | Path | None = None,
         version: int = 0,
         max_batch_size: int = 64,
+        interruptible: bool = False,
     ) -> HFEngine:
         """Load a local HF model folder (see ``load_policy``) and serve it."""
         model, tok = load_policy(path, dtype, tokenizer=tokenizer)
@@ -95,7 +103,12 @@ class HFEngine(GenerationEngine):
                 f"the tokenizer of {path} has neither a pad nor an EOS token to pad with"
             )
         return cls(
-            model, pad_token_id=pad, version=version, max_batch_size=max_batch_size, tokenizer=tok
+            model,
+            pad_token_id=pad,
+            version=version,
+            max_batch_size=max_batch_size,
+            tokenizer=tok,
+            interruptible=interruptible,
         )
 
     # ------------------------------------------------------------------ interface
@@ -127,8 +140,14 @@ class HFEngine(GenerationEngine):
         top_k: int = 0,
         stop_token_ids: Sequence[int] = (),
         n: int = 1,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
     ) -> list[Generation]:
+        seeds = None
+        if seed is not None and not isinstance(seed, int):
+            seeds = [int(x) for x in seed]
+            if len(seeds) != len(prompts):
+                raise EngineError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+            seed = None
         params = SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -142,10 +161,15 @@ class HFEngine(GenerationEngine):
         if not checked:
             return []
         async with self._async_lock():
-            return await asyncio.to_thread(self._generate_sync, checked, params)
+            return await asyncio.to_thread(self._generate_sync, checked, params, seeds)
 
     async def load_weights(self, version: int, state_dict: StateDict) -> None:
         items = list(state_dict.items()) if isinstance(state_dict, Mapping) else list(state_dict)
+        if self.interruptible:
+            offered = self._offer(version, items)
+            if offered is not None:
+                await asyncio.wrap_future(offered)
+                return
         async with self._async_lock():
             await asyncio.to_thread(self._load_sync, version, items)
 
@@ -167,23 +191,35 @@ class HFEngine(GenerationEngine):
             )
         return ids
 
-    def _generate_sync(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def _generate_sync(
+        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None
+    ) -> list[Generation]:
         with self._thread_lock:
-            version = self._version
-            started = time.perf_counter()
-            jobs = [(prompt, k) for prompt in prompts for k in range(params.n)]
-            out: list[Generation] = []
-            # fork_rng: a seeded call must not reset the RNG of everything else in the process.
-            devices = [self._device.index or 0] if self._device.type != "cpu" else []
-            with torch.random.fork_rng(
-                devices=devices, enabled=params.seed is not None, device_type=self._device.type
-            ):
-                if params.seed is not None:
-                    torch.manual_seed(params.seed)
+            with self._pending_lock:
+                self._generating = True
+            try:
+                started = time.perf_counter()
+                jobs = [
+                    (prompt, k, None if seeds is None else _row_seed(seeds[i], k))
+                    for i, prompt in enumerate(prompts)
+                    for k in range(params.n)
+                ]
+                out: list[Generation] = []
+                # One generator per call (or per row, for per-prompt seeds): a seeded call
+                # never touches the process's global RNG.
+                shared = None
+                if params.seed is not None and seeds is None:
+                    shared = torch.Generator(device=self._device).manual_seed(params.seed)
                 for start in range(0, len(jobs), self.max_batch_size):
                     out += self._generate_batch(
-                        jobs[start : start + self.max_batch_size], params, version
+                        jobs[start : start + self.max_batch_size], params, shared
                     )
+            finally:
+                # Updates offered during the last decode step land now, before anyone else
+                # can generate: none is lost, none waits for the next generation.
+                with self._pending_lock:
+                    self._generating = False
+                self._apply_pending()
             self._stats["requests"] += 1
             self._stats["sequences"] += len(out)
             self._stats["prompt_tokens"] += sum(len(g.prompt_ids) for g in out)
@@ -193,90 +229,182 @@ class HFEngine(GenerationEngine):
 
     @torch.inference_mode()
     def _generate_batch(
-        self, jobs: list[tuple[list[int], int]], params: SamplingParams, version: int
+        self,
+        jobs: list[tuple[list[int], int, int | None]],
+        params: SamplingParams,
+        shared: torch.Generator | None,
     ) -> list[Generation]:
-        width = max(len(prompt) for prompt, _ in jobs)
-        input_ids = torch.full((len(jobs), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(jobs), width), dtype=torch.long)
-        for row, (prompt, _) in enumerate(jobs):
+        """Decode one left-padded batch token by token with a KV cache.
+
+        Our own loop rather than ``generate``: between two tokens a waiting weight update can
+        land (interruptible rollouts), and each row may draw from its own seeded generator.
+        """
+        device, pad = self._device, self.pad_token_id
+        size = len(jobs)
+        width = max(len(prompt) for prompt, _, _ in jobs)
+        input_ids = torch.full((size, width), pad, dtype=torch.long)
+        attention = torch.zeros((size, width), dtype=torch.long)
+        for row, (prompt, _, _) in enumerate(jobs):
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            attention_mask[row, width - len(prompt) :] = 1
-        sampling: dict[str, Any] = {"do_sample": False}
-        if not params.greedy:
-            sampling = {
-                "do_sample": True,
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "top_k": params.top_k,  # 0 disables it (None would mean the default, 50)
-            }
-        result = self.model.generate(
-            input_ids=input_ids.to(self._device),
-            attention_mask=attention_mask.to(self._device),
-            max_new_tokens=params.max_new_tokens,
-            min_new_tokens=0,
-            eos_token_id=list(params.stop_token_ids) or None,
-            pad_token_id=self.pad_token_id,
-            output_scores=True,
-            return_dict_in_generate=True,
-            **sampling,
+            attention[row, width - len(prompt) :] = 1
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        rows_rng = None
+        if jobs[0][2] is not None:
+            rows_rng = [torch.Generator(device=device).manual_seed(s) for _, _, s in jobs]
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True
         )
-        tokens = result.sequences[:, width:].cpu()
-        # scores[t] are the processed logits the token at step t was drawn from.
-        scores = torch.stack(result.scores, dim=1).float().cpu()
-        logprobs = scores.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        stops = set(params.stop_token_ids)
-        out = []
-        for row, (prompt, index) in enumerate(jobs):
-            ids = tokens[row].tolist()
-            # Rows that stopped early are padded to the batch's length: cut after the first stop.
-            end = next((t + 1 for t, token in enumerate(ids) if token in stops), None)
-            finish = "stop" if end is not None else "length"
-            end = end if end is not None else len(ids)
-            out.append(
+        cache, logits = out.past_key_values, out.logits[:, -1, :].float()
+        next_position = positions[:, -1:] + 1
+        stops = torch.tensor(sorted(params.stop_token_ids), dtype=torch.long, device=device)
+        tokens: list[torch.Tensor] = []
+        logprobs: list[torch.Tensor] = []
+        versions: list[int] = []
+        done = torch.zeros(size, dtype=torch.bool, device=device)
+        ended_at = torch.full((size,), params.max_new_tokens, dtype=torch.long)
+        for step in range(params.max_new_tokens):
+            # The logits came from the weights served now: that is this token's version.
+            token, logprob = _sample(logits, params, shared, rows_rng)
+            tokens.append(token)
+            logprobs.append(logprob)
+            versions.append(self._version)
+            if stops.numel():
+                stopped = torch.isin(token, stops) & ~done
+                ended_at[stopped.cpu()] = step + 1
+                done |= stopped
+            if step + 1 == params.max_new_tokens or bool(done.all()):
+                break
+            if self.interruptible:
+                self._apply_pending()  # between two tokens: the next one uses the new weights
+            attention = torch.cat(
+                [attention, torch.ones((size, 1), dtype=torch.long, device=device)], 1
+            )
+            out = self.model(
+                input_ids=token.masked_fill(done, pad).unsqueeze(-1),
+                attention_mask=attention,
+                position_ids=next_position,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache, logits = out.past_key_values, out.logits[:, -1, :].float()
+            next_position = next_position + 1
+        all_tokens = torch.stack(tokens, 1).cpu()
+        stop_set = set(params.stop_token_ids)
+        all_logprobs = torch.stack(logprobs, 1).cpu()
+        result = []
+        for row, (prompt, index, _) in enumerate(jobs):
+            end = min(int(ended_at[row]), all_tokens.shape[1])
+            ids, row_versions = all_tokens[row, :end].tolist(), versions[:end]
+            result.append(
                 Generation(
                     prompt_ids=list(prompt),
-                    response_ids=ids[:end],
-                    logprobs=logprobs[row, :end].tolist(),
-                    finish_reason=finish,
-                    version=version,
+                    response_ids=ids,
+                    logprobs=all_logprobs[row, :end].tolist(),
+                    finish_reason="stop" if ids and ids[-1] in stop_set else "length",
+                    version=min(row_versions, default=self._version),
                     index=index,
+                    token_versions=row_versions,
                 )
             )
-        return out
+        return result
 
     # ------------------------------------------------------------------ weights
 
     def _load_sync(self, version: int, items: list[tuple[str, torch.Tensor]]) -> None:
         with self._thread_lock:
-            started = time.perf_counter()
-            if version < self._version:
-                raise EngineError(
-                    f"weights version {version} is older than the served version {self._version}"
+            self._apply_weights(version, items)
+
+    def _offer(self, version: int, items: list[tuple[str, torch.Tensor]]) -> Future[None] | None:
+        """Hand an update to the generation in flight (it lands between two tokens), or
+        return ``None`` when nothing is generating and the caller should load it itself."""
+        with self._pending_lock:
+            if not self._generating:
+                return None
+            done: Future[None] = Future()
+            self._pending.append((version, items, done))
+            return done
+
+    def _apply_pending(self) -> None:
+        """Apply the updates offered to the running generation (called holding the thread lock)."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        for version, items, done in pending:
+            try:
+                self._apply_weights(version, items)
+            except BaseException as exc:
+                done.set_exception(exc)
+            else:
+                self._stats["interrupted_loads"] += 1
+                done.set_result(None)
+
+    def _apply_weights(self, version: int, items: list[tuple[str, torch.Tensor]]) -> None:
+        started = time.perf_counter()
+        if version < self._version:
+            raise EngineError(
+                f"weights version {version} is older than the served version {self._version}"
+            )
+        current = self.model.state_dict()
+        problems = []
+        seen: set[str] = set()
+        for name, tensor in items:
+            if name not in current:
+                problems.append(f"unknown weight {name!r}")
+            elif tuple(tensor.shape) != tuple(current[name].shape):
+                problems.append(
+                    f"{name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(current[name].shape)}"
                 )
-            current = self.model.state_dict()
-            problems = []
-            seen: set[str] = set()
+            seen.add(name)
+        # Tied weights share storage: providing any one name of a group covers all of them.
+        groups: dict[int, list[str]] = {}
+        for name, tensor in current.items():
+            groups.setdefault(tensor.untyped_storage().data_ptr(), []).append(name)
+        missing = [names[0] for names in groups.values() if not seen.intersection(names)]
+        if missing:
+            problems.append(f"{len(missing)} weights missing, e.g. {missing[:3]}")
+        if problems:
+            # Checked before copying anything, so a bad update leaves the old weights whole.
+            raise EngineError("weight update refused: " + "; ".join(problems[:5]))
+        with torch.no_grad():
             for name, tensor in items:
-                if name not in current:
-                    problems.append(f"unknown weight {name!r}")
-                elif tuple(tensor.shape) != tuple(current[name].shape):
-                    problems.append(
-                        f"{name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(current[name].shape)}"
-                    )
-                seen.add(name)
-            # Tied weights share storage: providing any one name of a group covers all of them.
-            groups: dict[int, list[str]] = {}
-            for name, tensor in current.items():
-                groups.setdefault(tensor.untyped_storage().data_ptr(), []).append(name)
-            missing = [names[0] for names in groups.values() if not seen.intersection(names)]
-            if missing:
-                problems.append(f"{len(missing)} weights missing, e.g. {missing[:3]}")
-            if problems:
-                # Checked before copying anything, so a bad update leaves the old weights whole.
-                raise EngineError("weight update refused: " + "; ".join(problems[:5]))
-            with torch.no_grad():
-                for name, tensor in items:
-                    current[name].copy_(tensor)
-            self._version = version
-            self._stats["weight_loads"] += 1
-            self._stats["weight_load_seconds"] += time.perf_counter() - started
+                current[name].copy_(tensor)
+        self._version = version
+        self._stats["weight_loads"] += 1
+        self._stats["weight_load_seconds"] += time.perf_counter() - started
+
+
+def _row_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a prompt seeded ``seed`` (distinct, stable, 63-bit)."""
+    return (seed * 1_000_003 + index * 7_919 + 1) % (1 << 63)
+
+
+def _sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    shared: torch.Generator | None,
+    rows_rng: list[torch.Generator] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row; returns ``(tokens, logprobs)`` under the sampled-from
+    distribution (temperature, then top-k, then top-p, renormalised — see ``_base``)."""
+    if params.greedy:
+        token = logits.argmax(-1)
+        return token, logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+    scores = logits / params.temperature
+    if 0 < params.top_k < scores.shape[-1]:
+        kth = scores.topk(params.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if params.top_p < 1:
+        ordered, order = scores.sort(-1, descending=True)
+        probs = ordered.softmax(-1)
+        # Drop a token once the tokens before it already reach top_p (the first always stays).
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
+        scores = scores.scatter(-1, order, ordered.masked_fill(drop, -math.inf))
+    logp = scores.log_softmax(-1)
+    probs = logp.exp()
+    if rows_rng is not None:
+        token = torch.cat(
+            [torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(rows_rng)]
+        )
+    else:
+        token = torch.multinomial(probs, 1, generator=shared).squeeze(-1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)

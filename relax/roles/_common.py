@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -30,3 +31,11 @@ async def connect_bus(url: str, cfg: ClusterConfig, name: str) -> BusClient:
 def as_list(value: Any) -> list[Any]:
     """A column as a plain list (columns may arrive as tensors)."""
     return value.tolist() if hasattr(value, "tolist") else list(value)
+
+
+def prompt_seed(seed: int | None, uid: str) -> int | None:
+    """The sampling seed of one prompt: stable across processes, retries and batchings."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"{seed}:{uid}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1

@@ -10,7 +10,7 @@ from typing import Any
 from relax.actors import Actor
 from relax.engines import load_tokenizer
 from relax.roles._common import cluster_config, connect_bus
-from relax.roles._prompts import prompt_stream
+from relax.roles._prompts import prompt_row, prompt_stream
 
 
 class DatasetRole(Actor):
@@ -42,18 +42,6 @@ class DatasetRole(Actor):
         stream = itertools.islice(prompt_stream(data.model_dump()), start, None)
         async with await connect_bus(self.prompts_url, self.cfg, "dataset") as bus:
             for position, item in enumerate(stream, start):
-                ids = tokenizer.encode(item["prompt"], add_special_tokens=False)[
-                    : data.max_prompt_tokens
-                ]
-                row = {
-                    "uid": item["id"],
-                    "group": item["id"],
-                    "version": 0,
-                    "columns": {
-                        "prompt_ids": ids,
-                        "answer": item["answer"],
-                        "text": item["prompt"],
-                    },
-                }
+                row = prompt_row(item, tokenizer, data.max_prompt_tokens)
                 await bus.put([row], wait=3600)
                 self._save(position + 1)

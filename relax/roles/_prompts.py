@@ -59,3 +59,14 @@ def prompt_stream(data: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from resolve(data["generator"])(seed=data.get("seed", 0))
         return
     yield from arithmetic_task(data.get("seed", 0))
+
+
+def prompt_row(item: dict[str, Any], tokenizer: Any, max_prompt_tokens: int) -> dict[str, Any]:
+    """A stream item as a prompt-bus row (``prompt_ids`` truncated to ``max_prompt_tokens``)."""
+    ids = tokenizer.encode(item["prompt"], add_special_tokens=False)[:max_prompt_tokens]
+    return {
+        "uid": item["id"],
+        "group": item["id"],
+        "version": 0,
+        "columns": {"prompt_ids": ids, "answer": item["answer"], "text": item["prompt"]},
+    }

@@ -7,8 +7,16 @@ from typing import Any
 
 from relax.actors import Actor
 from relax.engines import load_tokenizer
-from relax.rewards import RewardSet
+from relax.rewards import RewardResult, RewardSet
 from relax.roles._common import as_list, cluster_config, connect_bus
+
+
+async def score_sample(
+    rewards: RewardSet, tokenizer: Any, response_ids: list[int], answer: Any
+) -> RewardResult:
+    """Score one generated response against its prompt's reference answer."""
+    text = tokenizer.decode(response_ids, skip_special_tokens=True)
+    return await rewards.score(text, {"answer": answer}, response_tokens=len(response_ids))
 
 
 class RewardRole(Actor):
@@ -37,10 +45,12 @@ class RewardRole(Actor):
                     "reward", batch_size=64, columns=["response_ids", "answer"], wait=1.0
                 ) as batch:
                     for row in batch.rows:
-                        ids = as_list(row["columns"]["response_ids"])
-                        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-                        sample = {"answer": row["columns"]["answer"]}
-                        result = await self.rewards.score(text, sample, response_tokens=len(ids))
+                        result = await score_sample(
+                            self.rewards,
+                            self.tokenizer,
+                            as_list(row["columns"]["response_ids"]),
+                            row["columns"]["answer"],
+                        )
                         if result.ok:
                             await bus.add_columns(row["uid"], {"reward": float(result.reward)})
                         else:

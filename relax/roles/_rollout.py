@@ -1,21 +1,30 @@
 """The rollout role: prompts in, scored-to-be samples out, always on the freshest weights.
 
-Loop: pick up new weights if the trainer published any; lease a batch of prompts from the
-prompt bus; ask the sample bus for permission (``admit``) to generate each prompt's group with
-the weights held (staleness pacing); generate ``n`` samples per prompt; put them (uid =
-prompt id + sample index, stable across retries); ack the prompts. A rollout killed anywhere
-in between loses nothing: the prompt lease expires and the work is redone under the same uids.
+Loop: lease a batch of prompts from the prompt bus; ask the sample bus for permission
+(``admit``) to generate each prompt's group with the weights held (staleness pacing); generate
+``n`` samples per prompt; put them (uid = prompt id + sample index, stable across retries);
+ack the prompts. A rollout killed anywhere in between loses nothing: the prompt lease expires
+and the work is redone under the same uids — and, sampling being seeded by prompt id, with
+the same samples.
+
+Weights: a follower task long-polls the weights channel and loads each new version as soon as
+it is published. With ``rollout.interruptible`` the update lands between two tokens of a
+generation in flight (partial rollout: every token's version is recorded in the
+``token_versions`` column and the row is stamped with its oldest); otherwise it waits for the
+generation to end. A restarted rollout loads the current version before it serves.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from dataclasses import replace
 from typing import Any
 
 from relax.actors import Actor
-from relax.engines import HFEngine, stop_token_ids
-from relax.errors import BusError
-from relax.roles._common import as_list, cluster_config, connect_bus
+from relax.bus import BusClient
+from relax.engines import GenerationEngine, open_engine, stop_token_ids
+from relax.roles._common import as_list, cluster_config, connect_bus, prompt_seed
 
 
 class RolloutRole(Actor):
@@ -24,82 +33,137 @@ class RolloutRole(Actor):
     ) -> None:
         self.cfg = cluster_config(config)
         self.prompts_url, self.samples_url, self.model_dir = prompts_url, samples_url, model_dir
-        self.engine: HFEngine | None = None
+        self.engine: GenerationEngine | None = None
+        self._new_weights: asyncio.Condition | None = None
+        self._loading = asyncio.Lock()
 
     async def on_start(self) -> None:
-        if self.cfg.rollout.engine != "hf":
-            raise BusError("only the hf engine is available so far; set rollout.engine = 'hf'")
-        self.engine = HFEngine.from_pretrained(self.model_dir, self.cfg.model.dtype)
+        self.engine = open_engine(self.cfg.rollout, self.model_dir, self.cfg.model.dtype)
+
+    async def on_stop(self) -> None:
+        if self.engine is not None:
+            await self.engine.close()
 
     def version(self) -> int:
         """The weights version this rollout serves."""
         return self.engine.version if self.engine else -1
 
-    async def _sync_weights(self, samples: Any, wait: float) -> None:
-        assert self.engine is not None
-        got = await samples.poll_weights(after=self.engine.version, wait=wait)
-        if got is not None:
-            await self.engine.load_weights(*got)  # atomic: no generation sees a mix
+    def statistics(self) -> dict[str, Any]:
+        """The engine's counters (requests, tokens, weight loads, interrupted loads, …)."""
+        return self.engine.statistics() if self.engine else {}
+
+    async def _sync_weights(self, bus: BusClient, wait: float) -> bool:
+        """Load the newest published version, if newer than ours; True when one was loaded."""
+        assert self.engine is not None and self._new_weights is not None
+        got = await bus.poll_weights(after=self.engine.version, wait=wait)
+        if got is None:
+            return False
+        async with self._loading:  # the follower and a "behind" admission may both fetch
+            if got[0] <= self.engine.version:
+                return False
+            await self.engine.load_weights(*got)  # atomic: no forward pass sees a mix
+        async with self._new_weights:
+            self._new_weights.notify_all()
+        self.log.debug("weights loaded", version=got[0])
+        return True
+
+    async def _follow_weights(self, bus: BusClient) -> None:
+        while True:
+            await self._sync_weights(bus, wait=30.0)
+
+    async def _wait_for_newer(self, version: int) -> None:
+        """Until the engine serves a version above ``version`` (the follower loads it)."""
+        assert self.engine is not None and self._new_weights is not None
+        timeout = self.cfg.rollout.weight_sync_timeout
+        async with self._new_weights:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._new_weights.wait_for(lambda: self.engine.version > version), timeout
+                )
+        if self.engine.version <= version:
+            self.log.warning("no newer weights yet", version=version, waited_s=timeout)
 
     async def run(self) -> None:
         assert self.engine is not None
         cfg, engine = self.cfg, self.engine
         n = cfg.data.n_samples_per_prompt
         stops = stop_token_ids(engine.tokenizer) if hasattr(engine, "tokenizer") else []
+        rank = self.context.rank
+        self._new_weights = asyncio.Condition()
         async with (
-            await connect_bus(
-                self.prompts_url, cfg, f"rollout-{self.context.rank}-prompts"
-            ) as prompts,
-            await connect_bus(self.samples_url, cfg, f"rollout-{self.context.rank}") as samples,
+            await connect_bus(self.prompts_url, cfg, f"rollout-{rank}-prompts") as prompts,
+            await connect_bus(self.samples_url, cfg, f"rollout-{rank}") as samples,
+            await connect_bus(self.samples_url, cfg, f"rollout-{rank}-weights") as weights,
         ):
+            await self._sync_weights(weights, wait=0)  # serve the current version first
+            follower = asyncio.create_task(self._follow_weights(weights))
+            try:
+                while True:
+                    if follower.done():
+                        follower.result()  # the follower failed: fail the role with its error
+                    await self._round(prompts, samples, n, stops)
+            finally:
+                follower.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await follower
+
+    async def _round(
+        self, prompts: BusClient, samples: BusClient, n: int, stops: list[int]
+    ) -> None:
+        """Lease prompts, admit what pacing allows, generate, put, ack."""
+        cfg, engine = self.cfg, self.engine
+        assert engine is not None
+        batch = await prompts.take_batch("rollout", batch_size=cfg.rollout.batch_size, wait=1.0)
+        if not batch.rows:
+            return
+        admitted = []
+        for row in batch.rows:
             while True:
-                await self._sync_weights(samples, wait=0)
-                batch = await prompts.take_batch(
-                    "rollout", batch_size=cfg.rollout.batch_size, wait=1.0
-                )
-                if not batch.rows:
+                version = engine.version
+                verdict = await samples.admit(row["uid"], n, version, wait=5.0)
+                if verdict == "behind":  # our weights are too old: the follower brings newer
+                    await self._wait_for_newer(version)
                     continue
-                admitted = []
-                for row in batch.rows:
-                    while True:
-                        verdict = await samples.admit(row["uid"], n, engine.version, wait=5.0)
-                        if verdict == "behind":  # our weights are too old: wait for newer ones
-                            await self._sync_weights(samples, wait=cfg.rollout.weight_sync_timeout)
-                            continue
-                        break
-                    if verdict == "ok":
-                        admitted.append(row)
-                waiting = [r for r in batch.rows if r not in admitted]
-                if waiting:  # the trainer is behind: these prompts go back for later
-                    await prompts.release(replace(batch, rows=waiting))
-                if not admitted:
-                    continue
-                gens = await engine.generate(
-                    [as_list(r["columns"]["prompt_ids"]) for r in admitted],
-                    max_new_tokens=cfg.rollout.max_new_tokens,
-                    temperature=cfg.rollout.temperature,
-                    top_p=cfg.rollout.top_p,
-                    top_k=cfg.rollout.top_k,
-                    stop_token_ids=stops,
-                    n=n,
+                break
+            if verdict == "ok":
+                admitted.append(row)
+        waiting = [r for r in batch.rows if r not in admitted]
+        if waiting:  # the trainer is behind: these prompts go back for later
+            await prompts.release(replace(batch, rows=waiting))
+        if not admitted:
+            return
+        gens = await engine.generate(
+            [as_list(r["columns"]["prompt_ids"]) for r in admitted],
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
+            stop_token_ids=stops,
+            n=n,
+            seed=None
+            if cfg.rollout.seed is None
+            else [prompt_seed(cfg.rollout.seed, r["uid"]) for r in admitted],
+        )
+        rows = []
+        for i, row in enumerate(admitted):
+            for j in range(n):
+                g = gens[i * n + j]
+                columns = {
+                    "prompt_ids": list(g.prompt_ids),
+                    "response_ids": list(g.response_ids),
+                    "logprobs": list(g.logprobs),
+                    "answer": row["columns"]["answer"],
+                }
+                if g.token_versions is not None:
+                    columns["token_versions"] = list(g.token_versions)
+                rows.append(
+                    {
+                        "uid": f"{row['uid']}/{j}",
+                        "group": row["uid"],
+                        "group_size": n,
+                        "version": g.version,
+                        "columns": columns,
+                    }
                 )
-                rows = []
-                for i, row in enumerate(admitted):
-                    for j in range(n):
-                        g = gens[i * n + j]
-                        rows.append(
-                            {
-                                "uid": f"{row['uid']}/{j}",
-                                "group": row["uid"],
-                                "group_size": n,
-                                "version": g.version,
-                                "columns": {
-                                    "prompt_ids": list(g.prompt_ids),
-                                    "response_ids": list(g.response_ids),
-                                    "logprobs": list(g.logprobs),
-                                    "answer": row["columns"]["answer"],
-                                },
-                            }
-                        )
-                await samples.put(rows, wait=3600)
-                await prompts.ack(replace(batch, rows=admitted))
+        await samples.put(rows, wait=3600)
+        await prompts.ack(replace(batch, rows=admitted))

@@ -17,9 +17,29 @@ from pathlib import Path
 from typing import Any
 
 from relax.actors import Actor
+from relax.config import ClusterConfig
 from relax.engines import load_policy
 from relax.roles._common import as_list, cluster_config, connect_bus
 from relax.training import TorchBackend
+
+
+def train_columns(cfg: ClusterConfig) -> tuple[str, ...]:
+    """The columns a row needs before the trainer may take it."""
+    columns = ["prompt_ids", "response_ids", "logprobs", "reward"]
+    if cfg.algorithm.kl.coef > 0:
+        columns.append("ref_logprobs")  # written by the reference role
+    if cfg.algorithm.advantage == "gae":
+        columns.append("values")  # written by the critic role
+    return tuple(columns)
+
+
+def train_row(row: dict[str, Any], columns: tuple[str, ...]) -> dict[str, Any]:
+    """A bus row as the training backend's ``Row``."""
+    cols = row["columns"]
+    out: dict[str, Any] = {"group": row["group"], "uid": row["uid"]}
+    for name in columns:
+        out[name] = float(cols[name]) if name == "reward" else as_list(cols[name])
+    return out
 
 
 class TrainerRole(Actor):
@@ -68,6 +88,7 @@ class TrainerRole(Actor):
     async def run(self) -> None:
         cfg = self.cfg
         size = cfg.trainer.global_batch_size
+        columns = train_columns(cfg)
         async with await connect_bus(self.samples_url, cfg, "trainer") as bus:
             published = (await bus.statistics())["weights"]["current"]
             newer = (
@@ -89,21 +110,15 @@ class TrainerRole(Actor):
                     batch_size=size,
                     min_rows=size,
                     whole_groups=True,
-                    columns=["prompt_ids", "response_ids", "logprobs", "reward"],
+                    columns=list(columns),
                     wait=5.0,
                 ) as batch:
                     if not batch.rows:
                         continue
-                    rows = [
-                        {
-                            "prompt_ids": as_list(r["columns"]["prompt_ids"]),
-                            "response_ids": as_list(r["columns"]["response_ids"]),
-                            "logprobs": as_list(r["columns"]["logprobs"]),
-                            "reward": float(r["columns"]["reward"]),
-                            "group": r["group"],
-                        }
-                        for r in batch.rows
-                    ]
+                    # A fixed order (group, then uid) makes a step independent of the order
+                    # rows reached the bus: the same samples always give the same update.
+                    ordered = sorted(batch.rows, key=lambda r: (r["group"], r["uid"]))
+                    rows = [train_row(r, columns) for r in ordered]
                     versions = [r["version"] for r in batch.rows]
                     # Off the event loop: heartbeats must keep flowing during a long step.
                     result = await asyncio.to_thread(
@@ -120,9 +135,10 @@ class TrainerRole(Actor):
                         **result.metrics,
                     }
                     self._record(record)
+                    batch.skipped_step = not result.applied
                     if result.applied:
                         await bus.publish_weights(
-                            self.backend.version, self.backend.state_dict_for_publish()
+                            self.backend.version, self.backend.state_dict_for_publish(), ack=batch
                         )
                         every = cfg.checkpoint.every_steps
                         if every and self.backend.version % every == 0:

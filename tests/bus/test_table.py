@@ -131,6 +131,23 @@ def test_admission_paces_producers(staleness) -> None:
     assert t.admit("old-weights", 1, version=0, now=0, timeout=60)[1] == "behind"
 
 
+def test_a_skipped_training_step_keeps_producers_going() -> None:
+    # Strictly on-policy: one batch per version. The trainer consumes batch 0 but skips the
+    # step (no new version); without counting that, producers would wait for version 1 forever.
+    t = table(tasks=("train",), staleness=0, batch_size=2, capacity=100)
+    for g in ("a", "b"):
+        assert t.admit(g, 1, version=0, now=0, timeout=60)[1] == "ok"
+        t.put(rows(g, 1))
+    assert t.admit("c", 1, version=0, now=0, timeout=60)[1] == "ahead"
+    _, lease = t.take("train", batch_size=2, now=0)
+    assert lease is not None
+    _, acked = t.ack("train", list(lease.items.items()), skipped_step=True)
+    assert acked == 2 and t.counters["skipped_steps"] == 1
+    assert t.admit("c", 1, version=0, now=0, timeout=60)[1] == "ok"
+    assert t.admit("d", 1, version=0, now=0, timeout=60)[1] == "ok"
+    assert t.admit("e", 1, version=0, now=0, timeout=60)[1] == "ahead"
+
+
 def test_admission_is_bounded_by_capacity_when_fully_async() -> None:
     t = table(tasks=("train",), staleness=math.inf, capacity=3)
     verdicts = [t.admit(f"g{i}", 1, version=0, now=0, timeout=60)[1] for i in range(4)]

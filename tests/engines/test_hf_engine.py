@@ -17,6 +17,7 @@ from relax.engines import (
     build_tiny_model,
     load_policy,
 )
+from tests.actors.helpers import wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -233,3 +234,54 @@ async def test_cancelled_generation_still_never_overlaps_a_load(
     assert engine.statistics()["requests"] == 1  # the abandoned decode finished first
     gens = await engine.generate(PROMPTS, max_new_tokens=6, seed=1)
     assert all(g.version == 1 and close(g, reference_models[1]) for g in gens)
+
+
+async def test_per_prompt_seeds_do_not_depend_on_the_batch(engine: HFEngine) -> None:
+    kwargs = {"max_new_tokens": 10, "n": 3}
+    both = await engine.generate(PROMPTS, seed=[5, 6], **kwargs)
+    alone = await engine.generate(PROMPTS[1:], seed=[6], **kwargs)
+    other = await engine.generate(PROMPTS[1:], seed=[7], **kwargs)
+    assert [g.response_ids for g in both[3:]] == [g.response_ids for g in alone]
+    assert [g.response_ids for g in alone] != [g.response_ids for g in other]
+    # The samples of one prompt differ from each other (each row has its own generator).
+    assert len({tuple(g.response_ids) for g in alone}) > 1
+    with pytest.raises(EngineError, match="2 seeds for 1 prompts"):
+        await engine.generate(PROMPTS[:1], seed=[1, 2], max_new_tokens=2)
+
+
+async def test_interruptible_engine_swaps_weights_between_tokens(
+    tiny_dir: Path, reference_models: dict[int, torch.nn.Module]
+) -> None:
+    engine = HFEngine.from_pretrained(tiny_dir, max_batch_size=16, interruptible=True)
+    task = asyncio.create_task(engine.generate(PROMPTS * 8, max_new_tokens=200, seed=0))
+    await wait_until(lambda: engine._generating, what="the decode loop to run")
+    await engine.load_weights(1, reference_models[1].state_dict())
+    assert engine.version == 1  # the update landed while the generation still ran
+    gens = await task
+    assert engine.statistics()["interrupted_loads"] == 1
+    for gen in gens:
+        versions = gen.token_versions
+        assert versions is not None and len(versions) == len(gen.response_ids) == 200
+        switch = versions.index(1)  # one switch, from 0 to 1, at the same token for all rows
+        assert switch > 0 and versions == [0] * switch + [1] * (200 - switch)
+        assert gen.version == 0  # judged by its oldest token
+        old = recompute(reference_models[0], gen)[:switch]
+        assert torch.allclose(torch.tensor(gen.logprobs[:switch]), old, atol=1e-4)
+    assert len({g.token_versions.index(1) for g in gens}) == 1
+    # The next generation runs wholly on the new weights.
+    after = await engine.generate(PROMPTS, max_new_tokens=6, seed=1)
+    assert all(g.version == 1 and close(g, reference_models[1]) for g in after)
+
+
+async def test_interruptible_engine_refuses_a_bad_update_mid_generation(
+    tiny_dir: Path, reference_models: dict[int, torch.nn.Module]
+) -> None:
+    engine = HFEngine.from_pretrained(tiny_dir, max_batch_size=16, interruptible=True)
+    task = asyncio.create_task(engine.generate(PROMPTS * 8, max_new_tokens=200, seed=0))
+    await wait_until(lambda: engine._generating, what="the decode loop to run")
+    bad = {k: v[..., :1].clone() for k, v in reference_models[1].state_dict().items()}
+    with pytest.raises(EngineError, match="weight update refused"):
+        await engine.load_weights(1, bad)
+    gens = await task
+    assert engine.version == 0
+    assert all(set(g.token_versions) == {0} and close(g, reference_models[0]) for g in gens)

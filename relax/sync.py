@@ -1,0 +1,131 @@
+"""A strictly synchronous run: the reference the asynchronous cluster is measured against.
+
+One loop in one process, no actors and no bus: take the next prompts, generate, score, train,
+load the new weights, repeat. It uses the very pieces the roles use — the prompt stream and
+encoding, the engine with per-prompt seeds, the reward set, the training backend, the
+trainer's row order — so a cluster run with ``staleness = 0`` must give *identical* results
+(the same rewards, losses and final weights, bit for bit); ``tests/e2e/test_sync.py`` holds
+the two to that. Useful on its own for debugging a recipe without any concurrency
+(``relax up CONFIG --sync``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from relax.cluster import Layout, prepare
+from relax.config import ClusterConfig
+from relax.engines import load_policy, load_tokenizer, open_engine, stop_token_ids
+from relax.rewards import RewardSet
+from relax.roles._common import prompt_seed
+from relax.roles._prompts import prompt_row, prompt_stream
+from relax.roles._reward import score_sample
+from relax.training import TorchBackend
+
+
+async def run_sync(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Layout:
+    """Train ``trainer.steps`` steps synchronously; writes ``metrics.jsonl`` and a final
+    checkpoint (``checkpoints/step-N``) in the run folder, like a cluster run."""
+    if cfg.reference.enabled or cfg.critic.enabled:
+        raise NotImplementedError("the synchronous runner has no reference or critic model yet")
+    layout = prepare(cfg, run_dir)
+    tokenizer = load_tokenizer(layout.model_dir)
+    rollout = cfg.rollout.model_copy(update={"interruptible": False})
+    engine = open_engine(rollout, layout.model_dir, cfg.model.dtype)
+    rewards = RewardSet.from_config(
+        cfg.reward, answer_key="answer", max_response_tokens=cfg.rollout.max_new_tokens
+    )
+    model, _ = load_policy(layout.model_dir, cfg.trainer.dtype)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    backend = TorchBackend(
+        model, cfg.trainer, cfg.algorithm, pad_id=pad, temperature=cfg.rollout.temperature
+    )
+    n = cfg.data.n_samples_per_prompt
+    groups_per_step = cfg.trainer.global_batch_size // n
+    stops = stop_token_ids(tokenizer)
+    stream = prompt_stream(cfg.data.model_dump())
+    metrics_file = layout.run_dir / "metrics.jsonl"
+    try:
+        while backend.version < cfg.trainer.steps:
+            started = time.monotonic()
+            rows: list[dict[str, Any]] = []
+            while len(rows) < cfg.trainer.global_batch_size:
+                wanted = min(cfg.rollout.batch_size, groups_per_step - len(rows) // n)
+                prompts = [
+                    prompt_row(item, tokenizer, cfg.data.max_prompt_tokens)
+                    for item in itertools.islice(stream, wanted)
+                ]
+                rows += await _generate_and_score(cfg, engine, rewards, tokenizer, prompts, stops)
+            rows.sort(key=lambda r: (r["group"], r["uid"]))  # the trainer role's order
+            version = engine.version
+            result = backend.step([r for r in rows if r["response_ids"]])
+            record = {
+                "step": backend.version,
+                "applied": result.applied,
+                "skipped_reason": result.skipped_reason,
+                "trainer_version_at_take": version,
+                "oldest_row_version": version,
+                "newest_row_version": version,
+                "wall_s": time.monotonic() - started,
+                **result.metrics,
+            }
+            with metrics_file.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            if result.applied:
+                await engine.load_weights(backend.version, backend.state_dict_for_publish())
+        checkpoint = layout.run_dir / cfg.checkpoint.dir / f"step-{backend.version:08d}"
+        backend.save_checkpoint(checkpoint)
+    finally:
+        await engine.close()
+    return layout
+
+
+async def _generate_and_score(
+    cfg: ClusterConfig,
+    engine: Any,
+    rewards: RewardSet,
+    tokenizer: Any,
+    prompts: list[dict[str, Any]],
+    stops: list[int],
+) -> list[dict[str, Any]]:
+    """Sample each prompt's group and score it; a group with a failed reward is dropped whole,
+    as the reward role drops it."""
+    n = cfg.data.n_samples_per_prompt
+    gens = await engine.generate(
+        [p["columns"]["prompt_ids"] for p in prompts],
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        stop_token_ids=stops,
+        n=n,
+        seed=None
+        if cfg.rollout.seed is None
+        else [prompt_seed(cfg.rollout.seed, p["uid"]) for p in prompts],
+    )
+    rows = []
+    for i, prompt in enumerate(prompts):
+        group = []
+        for j in range(n):
+            g = gens[i * n + j]
+            answer = prompt["columns"]["answer"]
+            result = await score_sample(rewards, tokenizer, g.response_ids, answer)
+            if not result.ok:
+                group = None
+                break
+            group.append(
+                {
+                    "uid": f"{prompt['uid']}/{j}",
+                    "group": prompt["uid"],
+                    "prompt_ids": list(g.prompt_ids),
+                    "response_ids": list(g.response_ids),
+                    "logprobs": list(g.logprobs),
+                    "reward": float(result.reward),
+                }
+            )
+        rows += group or []
+    return rows
