@@ -35,6 +35,14 @@ def up(
             "logs, weights and dataset position.",
         ),
     ] = False,
+    sync: Annotated[
+        bool,
+        typer.Option(
+            "--sync",
+            help="Run the same recipe as one synchronous loop in this process (no actors, no "
+            "bus): the strictly on-policy reference a staleness-0 cluster run must equal.",
+        ),
+    ] = False,
 ) -> None:
     """Start the cluster described by CLUSTER_TOML and train until trainer.steps are done."""
     from relax import cluster
@@ -49,7 +57,12 @@ def up(
         run_dir = run_dir or _newest_run(Path(cfg.cluster.run_dir), cfg.cluster.name)
         typer.echo(f"resuming {run_dir}")
     try:
-        layout = asyncio.run(cluster.run(cfg, run_dir))
+        if sync:
+            from relax.sync import run_sync
+
+            layout = asyncio.run(run_sync(cfg, run_dir))
+        else:
+            layout = asyncio.run(cluster.run(cfg, run_dir))
     except RelaxError as exc:
         typer.echo(f"the cluster stopped: {exc}", err=True)
         raise typer.Exit(1) from None

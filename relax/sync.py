@@ -55,10 +55,10 @@ async def run_sync(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Lay
             rows: list[dict[str, Any]] = []
             while len(rows) < cfg.trainer.global_batch_size:
                 wanted = min(cfg.rollout.batch_size, groups_per_step - len(rows) // n)
-                prompts = [
-                    prompt_row(item, tokenizer, cfg.data.max_prompt_tokens)
-                    for item in itertools.islice(stream, wanted)
-                ]
+                encoded = (
+                    prompt_row(item, tokenizer, cfg.data.max_prompt_tokens) for item in stream
+                )
+                prompts = list(itertools.islice((p for p in encoded if p is not None), wanted))
                 rows += await _generate_and_score(cfg, engine, rewards, tokenizer, prompts, stops)
             rows.sort(key=lambda r: (r["group"], r["uid"]))  # the trainer role's order
             version = engine.version

@@ -24,6 +24,11 @@ class DatasetRole(Actor):
         self.cfg = cluster_config(config)
         self.prompts_url, self.model_dir = prompts_url, model_dir
         self.position_file = Path(run_dir, "dataset.position.json")
+        self.skipped = 0
+
+    def statistics(self) -> dict[str, int]:
+        """Prompts served position and prompts skipped for length (since this start)."""
+        return {"position": self._position(), "skipped_too_long": self.skipped}
 
     def _position(self) -> int:
         if self.position_file.exists():
@@ -43,5 +48,14 @@ class DatasetRole(Actor):
         async with await connect_bus(self.prompts_url, self.cfg, "dataset") as bus:
             for position, item in enumerate(stream, start):
                 row = prompt_row(item, tokenizer, data.max_prompt_tokens)
+                if row is None:
+                    self.skipped += 1
+                    self.log.warning(
+                        "prompt longer than data.max_prompt_tokens skipped",
+                        id=item["id"],
+                        max_prompt_tokens=data.max_prompt_tokens,
+                    )
+                    self._save(position + 1)
+                    continue
                 await bus.put([row], wait=3600)
                 self._save(position + 1)

@@ -1,4 +1,4 @@
-"""Where prompts come from: a JSONL file, a user's generator, or the built-in arithmetic task.
+"""Where prompts come from: a JSONL or Parquet file, a user's generator, or the built-in arithmetic task.
 
 Each prompt is a dict with a stable ``id`` (the group id of its samples, so a retried prompt
 regenerates the same uids and the bus deduplicates), the ``prompt`` text and the ``answer``.
@@ -6,6 +6,7 @@ regenerates the same uids and the bus deduplicates), the ``prompt`` text and the
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections.abc import Iterator
@@ -25,34 +26,75 @@ def arithmetic_task(seed: int = 0, *, max_operand: int = 9) -> Iterator[dict[str
         index += 1
 
 
-def jsonl_prompts(path: str, prompt_key: str, answer_key: str) -> Iterator[dict[str, Any]]:
+def file_records(path: str) -> list[dict[str, Any]]:
+    """Every record of a JSON Lines (``.jsonl``/``.json``) or Parquet (``.parquet``) file."""
     file = Path(path)
     if not file.exists():
         raise ConfigError(f"data.path: no such file {path!r}")
+    if file.suffix.lower() == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ConfigError(
+                f"data.path: reading {path!r} needs pyarrow (pip install 'relax-rl[parquet]')"
+            ) from None
+        return pq.read_table(file).to_pylist()
+    records = []
     with file.open() as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            record = json.loads(line)
-            if prompt_key not in record:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
                 raise ConfigError(
-                    f"data.prompt_key: line {line_no} of {path} has no {prompt_key!r}"
-                )
-            yield {
-                "id": str(record.get("id", f"{file.stem}-{line_no}")),
+                    f"data.path: line {line_no} of {path} is not JSON: {exc}"
+                ) from None
+    return records
+
+
+def file_prompts(
+    path: str, prompt_key: str, answer_key: str, *, shuffle: bool = False, seed: int = 0
+) -> Iterator[dict[str, Any]]:
+    """The file's prompts forever, epoch after epoch (reshuffled each epoch when ``shuffle``).
+
+    A record's id is its ``id`` field, or its position in the file; the epoch is appended, so
+    every prompt served has a unique, reproducible id.
+    """
+    records = file_records(path)
+    items = []
+    for index, record in enumerate(records):
+        if prompt_key not in record:
+            raise ConfigError(f"data.prompt_key: record {index} of {path} has no {prompt_key!r}")
+        answer = record.get(answer_key, "")
+        items.append(
+            {
+                "id": str(record.get("id", f"{Path(path).stem}-{index}")),
                 "prompt": record[prompt_key],
-                "answer": str(record.get(answer_key, "")),
+                "answer": "" if answer is None else str(answer),
             }
+        )
+    if not items:
+        raise ConfigError(f"data.path: {path} has no records")
+    for epoch in itertools.count():
+        order = list(range(len(items)))
+        if shuffle:
+            random.Random(f"{seed}:{epoch}").shuffle(order)
+        for i in order:
+            yield {**items[i], "id": f"{items[i]['id']}@{epoch}"}
 
 
 def prompt_stream(data: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Prompts as the ``[data]`` config section says, repeating a finite source forever."""
+    """Prompts as the ``[data]`` config section says (a finite file repeats forever)."""
     if data.get("path"):
-        epoch = 0
-        while True:
-            for item in jsonl_prompts(data["path"], data["prompt_key"], data["answer_key"]):
-                yield {**item, "id": f"{item['id']}@{epoch}"}
-            epoch += 1
+        yield from file_prompts(
+            data["path"],
+            data["prompt_key"],
+            data["answer_key"],
+            shuffle=data.get("shuffle", False),
+            seed=data.get("seed", 0),
+        )
+        return
     if data.get("generator"):
         from relax.actors._build import resolve
 
@@ -61,9 +103,14 @@ def prompt_stream(data: dict[str, Any]) -> Iterator[dict[str, Any]]:
     yield from arithmetic_task(data.get("seed", 0))
 
 
-def prompt_row(item: dict[str, Any], tokenizer: Any, max_prompt_tokens: int) -> dict[str, Any]:
-    """A stream item as a prompt-bus row (``prompt_ids`` truncated to ``max_prompt_tokens``)."""
-    ids = tokenizer.encode(item["prompt"], add_special_tokens=False)[:max_prompt_tokens]
+def prompt_row(
+    item: dict[str, Any], tokenizer: Any, max_prompt_tokens: int
+) -> dict[str, Any] | None:
+    """A stream item as a prompt-bus row; ``None`` when the prompt is longer than
+    ``max_prompt_tokens`` (skipped: a cut prompt would ask a different question)."""
+    ids = tokenizer.encode(item["prompt"], add_special_tokens=False)
+    if len(ids) > max_prompt_tokens:
+        return None
     return {
         "uid": item["id"],
         "group": item["id"],

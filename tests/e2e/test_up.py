@@ -11,6 +11,7 @@ import pytest
 
 from relax import cluster
 from relax.config import parse_config
+from tests.actors.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -81,6 +82,27 @@ async def test_roles_in_their_own_processes(tmp_path) -> None:
     assert [s["step"] for s in metrics(layout.run_dir) if s["applied"]] == [1, 2]
 
 
+@pytest.mark.anyio
+async def test_several_rollout_and_reward_replicas_share_the_work(tmp_path) -> None:
+    cfg = config('"inf"', steps=30)
+    cfg = cfg.model_copy(
+        update={
+            "rollout": cfg.rollout.model_copy(update={"replicas": 2}),
+            "reward": cfg.reward.model_copy(update={"replicas": 2}),
+        }
+    )
+    layout = cluster.prepare(cfg, tmp_path / "run")
+    async with cluster.build_tree(cfg, layout) as tree:
+
+        async def both_generated() -> bool:
+            stats = [await tree.ref(f"rollout-{i}").call("statistics") for i in (0, 1)]
+            return all(s.get("requests", 0) > 0 for s in stats)
+
+        await wait_until(both_generated, timeout=60, what="both rollout replicas to generate")
+        await tree.wait()
+    assert [s["step"] for s in metrics(layout.run_dir) if s["applied"]] == list(range(1, 31))
+
+
 def test_relax_up_runs_a_config_and_reports(tmp_path) -> None:
     toml = tmp_path / "cluster.toml"
     toml.write_text(TINY.format(staleness=1, steps=10, placement=""))
@@ -95,6 +117,15 @@ def test_relax_up_runs_a_config_and_reports(tmp_path) -> None:
     )
     assert bad.returncode == 2 and "trainer.stepz" in bad.stderr
     assert len(metrics(tmp_path / "run")) == 2  # the bad override started nothing
+    sync_run = [sys.executable, "-m", "relax.cli", "up", str(toml), "--sync"]
+    sync = subprocess.run(
+        [*sync_run, "--run-dir", str(tmp_path / "sync"), "--set", "trainer.steps=2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert sync.returncode == 0, sync.stderr[-2000:]
+    assert "2 steps (0 skipped)" in sync.stdout and len(metrics(tmp_path / "sync")) == 2
 
 
 def test_relax_up_resume_continues_the_newest_run(tmp_path) -> None:
