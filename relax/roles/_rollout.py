@@ -36,9 +36,14 @@ class RolloutRole(Actor):
         self.engine: GenerationEngine | None = None
         self._new_weights: asyncio.Condition | None = None
         self._loading = asyncio.Lock()
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
 
     async def on_start(self) -> None:
-        self.engine = open_engine(self.cfg.rollout, self.model_dir, self.cfg.model.dtype)
+        # In a worker thread: starting vLLM takes seconds, and heartbeats must keep flowing.
+        self.engine = await asyncio.to_thread(
+            open_engine, self.cfg.rollout, self.model_dir, self.cfg.model.dtype
+        )
 
     async def on_stop(self) -> None:
         if self.engine is not None:
@@ -47,6 +52,16 @@ class RolloutRole(Actor):
     def version(self) -> int:
         """The weights version this rollout serves."""
         return self.engine.version if self.engine else -1
+
+    def pause(self) -> bool:
+        """Stop taking new prompts once the round in flight is put (weights still follow)."""
+        self._unpaused.clear()
+        return True
+
+    def resume(self) -> bool:
+        """Take prompts again after ``pause``."""
+        self._unpaused.set()
+        return False
 
     def statistics(self) -> dict[str, Any]:
         """The engine's counters (requests, tokens, weight loads, interrupted loads, …)."""
@@ -101,6 +116,7 @@ class RolloutRole(Actor):
                 while True:
                     if follower.done():
                         follower.result()  # the follower failed: fail the role with its error
+                    await self._unpaused.wait()
                     await self._round(prompts, samples, n, stops)
             finally:
                 follower.cancel()

