@@ -4,14 +4,18 @@
 
     root (strategy from [supervisor]; ends when the trainer finishes its steps)
     ├── prompts    a bus of prompts (task "rollout")
-    ├── samples    the TransferQueue of samples (tasks "reward", "train"; staleness-paced)
+    ├── samples    the TransferQueue of samples (tasks "reward", "train", and "reference" /
+    │              "critic" when those roles are enabled; staleness-paced)
     ├── dataset    prompts → prompt bus
     ├── reward-i   samples → reward column (failed rewards dropped with their group)
+    ├── reference-i  samples → ref_logprobs column ([reference] enabled; the frozen policy)
+    ├── critic-0   samples with a reward → values column, then a critic update ([critic])
     ├── trainer    whole groups within the staleness bound → step → publish weights
     └── rollout-i  prompts + weights → admitted, generated samples
 
 Roles meet only on the buses. Everything a run writes goes under one run folder:
-the tiny model built from ``[model.init]``, the bus logs, ``metrics.jsonl``, checkpoints.
+the tiny model built from ``[model.init]``, the bus logs, ``metrics.jsonl`` (and the critic's
+``critic.jsonl``), checkpoints (the critic's under ``<checkpoint.dir>/critic``).
 """
 
 from __future__ import annotations
@@ -26,8 +30,15 @@ from typing import Any
 from relax.actors import ChildSpec, InProc, Placement, Process, Restart, Supervisor
 from relax.bus import BusService
 from relax.config import ClusterConfig
-from relax.errors import ConfigError
-from relax.roles import DatasetRole, RewardRole, RolloutRole, TrainerRole
+from relax.errors import ConfigError, ConfigIssue
+from relax.roles import (
+    CriticRole,
+    DatasetRole,
+    ReferenceRole,
+    RewardRole,
+    RolloutRole,
+    TrainerRole,
+)
 
 
 @dataclass(frozen=True)
@@ -40,8 +51,25 @@ class Layout:
     samples_url: str
 
 
+def check_supported(cfg: ClusterConfig) -> None:
+    """Raise ``ConfigError`` for what a valid config may say but this cluster cannot run."""
+    if cfg.critic.enabled and cfg.critic.replicas > 1:
+        # Each replica would train its own value model on a share of the rows: the values of
+        # one batch would come from diverging critics.
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "critic.replicas",
+                    f"one critic is supported, got {cfg.critic.replicas}",
+                    hint="set critic.replicas = 1",
+                )
+            ]
+        )
+
+
 def prepare(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Layout:
     """Create the run folder, build or check the model, and pick the bus addresses."""
+    check_supported(cfg)
     root = (
         Path(run_dir)
         if run_dir
@@ -102,8 +130,19 @@ def plain_config(cfg: ClusterConfig) -> dict[str, Any]:
     return data
 
 
+def sample_tasks(cfg: ClusterConfig) -> list[str]:
+    """The consumer tasks of the samples bus: one per role that reads samples."""
+    tasks = ["reward", "train"]
+    if cfg.reference.enabled:
+        tasks.append("reference")
+    if cfg.critic.enabled:
+        tasks.append("critic")
+    return tasks
+
+
 def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
     """The supervisor tree of a run (see the module docstring)."""
+    check_supported(cfg)
     plain = plain_config(cfg)
     bus = cfg.bus
     secret = plain["cluster"].get("secret")
@@ -129,7 +168,7 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
         **common_bus,
         "url": layout.samples_url,
         "run_dir": str(layout.run_dir / "samples"),
-        "tasks": ["reward", "train"],
+        "tasks": sample_tasks(cfg),
         "trainer_task": "train",
         "staleness": cfg.staleness,
         "capacity": bus.capacity,
@@ -160,6 +199,14 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
         *(
             role(f"reward-{i}", RewardRole, cfg.reward, **samples_at)
             for i in range(cfg.reward.replicas)
+        ),
+        *(
+            role(f"reference-{i}", ReferenceRole, cfg.reference, **samples_at)
+            for i in range(cfg.reference.replicas if cfg.reference.enabled else 0)
+        ),
+        *(
+            role(f"critic-{i}", CriticRole, cfg.critic, **samples_at, **run_dir)
+            for i in range(cfg.critic.replicas if cfg.critic.enabled else 0)
         ),
         # The trainer is transient: finishing its steps is a normal end, which ends the run.
         role("trainer", TrainerRole, cfg.trainer, restart="transient", **samples_at, **run_dir),

@@ -1,0 +1,164 @@
+"""The reference role: scores generated samples under the frozen reference policy.
+
+Takes rows under task ``"reference"`` as soon as they have ``prompt_ids`` and ``response_ids``,
+computes each response token's log-prob under the reference model — at the rollout
+temperature, with exactly the trainer's alignment (``pack_batch`` + ``sequence_logprobs``) —
+and writes them as the ``ref_logprobs`` column (one float per response token). The trainer
+waits for that column when ``algorithm.kl.coef > 0``.
+
+The reference is ``reference.model_path``, or else the model the policy starts from (the
+run's model folder: the policy at version 0), and is never updated. Forward passes run in a
+worker thread (heartbeats keep flowing) in micro-batches of ``trainer.micro_batch_size`` rows,
+sorted by length so that little compute goes to padding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from relax.actors import Actor
+from relax.bus import BusClient, ColumnConflict
+from relax.engines import load_policy
+from relax.errors import RemoteError
+from relax.roles._common import as_list, cluster_config, connect_bus
+from relax.training import Row, pack_batch, response_values, sequence_logprobs
+
+TAKE_ROWS = 64
+"""Most rows one lease takes; they are scored in micro-batches."""
+
+
+def reference_logprobs(
+    model: torch.nn.Module,
+    rows: Sequence[Row],
+    *,
+    pad_id: int,
+    temperature: float = 1.0,
+    micro_batch_size: int = 16,
+) -> list[list[float]]:
+    """Per-token log-probs of each row's ``response_ids`` given its ``prompt_ids`` under ``model``.
+
+    The same numbers the trainer computes for the same model (``pack_batch`` alignment,
+    logits divided by ``temperature``); one list per row, as long as its ``response_ids``.
+    """
+    order = sorted(
+        range(len(rows)), key=lambda i: len(rows[i]["prompt_ids"]) + len(rows[i]["response_ids"])
+    )
+    out: list[list[float]] = [[] for _ in rows]
+    device = next(model.parameters()).device
+    for start in range(0, len(order), micro_batch_size):
+        chunk = order[start : start + micro_batch_size]
+        packed = pack_batch(
+            [
+                {
+                    "prompt_ids": list(rows[i]["prompt_ids"]),
+                    "response_ids": list(rows[i]["response_ids"]),
+                    "logprobs": [0.0] * len(rows[i]["response_ids"]),
+                    "reward": 0.0,
+                    "group": i,
+                }
+                for i in chunk
+            ],
+            pad_id,
+        )
+        with torch.inference_mode():
+            logprobs = sequence_logprobs(model, packed.to(device), temperature)
+        for i, values in zip(chunk, response_values(packed, logprobs.float().cpu()), strict=True):
+            out[i] = values
+    return out
+
+
+async def write_column(bus: BusClient, uid: str, columns: dict[str, Any]) -> bool:
+    """``add_columns``, treating "already written" as done; returns False in that case.
+
+    A role restarted with rows still leased retakes them once their lease expires; what its
+    earlier incarnation wrote stands (columns are write-once), even if a recompute would
+    differ in the last bit.
+    """
+    try:
+        await bus.add_columns(uid, columns)
+    except ColumnConflict:
+        return False
+    except RemoteError as exc:
+        if exc.remote_type != "ColumnConflict":
+            raise
+        return False
+    return True
+
+
+class ReferenceRole(Actor):
+    def __init__(self, *, config: dict[str, Any], samples_url: str, model_dir: str) -> None:
+        self.cfg = cluster_config(config)
+        self.samples_url, self.model_dir = samples_url, model_dir
+        self.scored = 0
+        self.batches = 0
+        self.already_written = 0
+        self.busy_s = 0.0
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "scored": self.scored,
+            "batches": self.batches,
+            "already_written": self.already_written,
+            "busy_s": self.busy_s,
+        }
+
+    async def on_start(self) -> None:
+        cfg = self.cfg
+        path = cfg.reference.model_path or self.model_dir
+        # The run's tokenizer: the reference only has to agree with the policy on token ids.
+        self.model, tokenizer = await asyncio.to_thread(
+            load_policy,
+            path,
+            cfg.model.dtype,
+            tokenizer=self.model_dir,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+        self.model.requires_grad_(False)
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else (tokenizer.eos_token_id or 0))
+        # Greedy rollouts give log-probs of the untempered model (as in the trainer).
+        temperature = cfg.rollout.temperature
+        self.temperature = temperature if temperature > 0 else 1.0
+
+    def _score(self, rows: list[dict[str, Any]]) -> list[list[float]]:
+        return reference_logprobs(
+            self.model,
+            rows,
+            pad_id=self.pad_id,
+            temperature=self.temperature,
+            micro_batch_size=self.cfg.trainer.micro_batch_size,
+        )
+
+    async def run(self) -> None:
+        name = f"reference-{self.context.rank}"
+        async with await connect_bus(self.samples_url, self.cfg, name) as bus:
+            while True:
+                async with bus.take(
+                    "reference",
+                    batch_size=TAKE_ROWS,
+                    columns=["prompt_ids", "response_ids"],
+                    wait=1.0,
+                ) as batch:
+                    if not batch.rows:
+                        continue
+                    started = time.monotonic()
+                    rows = [
+                        {
+                            "prompt_ids": as_list(r["columns"]["prompt_ids"]),
+                            "response_ids": as_list(r["columns"]["response_ids"]),
+                        }
+                        for r in batch.rows
+                    ]
+                    # Off the event loop: heartbeats must keep flowing during the forward.
+                    scored = await asyncio.to_thread(self._score, rows)
+                    for row, logprobs in zip(batch.rows, scored, strict=True):
+                        if not await write_column(bus, row["uid"], {"ref_logprobs": logprobs}):
+                            self.already_written += 1
+                    self.scored += len(rows)
+                    self.batches += 1
+                    self.busy_s += time.monotonic() - started

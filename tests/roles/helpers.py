@@ -1,0 +1,97 @@
+"""Shared pieces of the role tests: a tiny model folder, configs, a bus under a supervisor."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from pathlib import Path
+from typing import Any
+
+from relax.actors import ChildSpec, InProc, Supervisor
+from relax.bus import BusService
+from relax.cluster import plain_config
+from relax.config import ModelInitConfig, parse_config
+from relax.engines import build_tiny_model
+
+_names = itertools.count()
+
+INIT = ModelInitConfig(
+    hidden_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=64,
+    vocab_size=261,
+)
+
+
+def tiny_model(tmp_path: Path) -> Path:
+    return build_tiny_model(INIT, tmp_path / "model")
+
+
+def config(extra: str = "") -> dict[str, Any]:
+    """A validated cluster config as the plain data roles receive."""
+    text = """
+[model.init]
+hidden_size = 32
+num_layers = 1
+num_heads = 2
+num_kv_heads = 1
+intermediate_size = 64
+vocab_size = 261
+
+[data]
+n_samples_per_prompt = 2
+
+[trainer]
+global_batch_size = 4
+micro_batch_size = 2
+"""
+    return plain_config(parse_config(text + extra))
+
+
+def sample_rows(n: int, *, seed: int = 0, group_size: int = 2, **columns: Any) -> list[dict]:
+    """Bus rows with random prompts and responses of varied lengths (one empty response)."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(1, 6))]
+        response = [] if i == n - 1 else [rng.randrange(258) for _ in range(rng.randint(1, 7))]
+        rows.append(
+            {
+                "uid": f"g{i // group_size}/{i % group_size}",
+                "group": f"g{i // group_size}",
+                "group_size": group_size,
+                "version": 0,
+                "columns": {
+                    "prompt_ids": prompt,
+                    "response_ids": response,
+                    "logprobs": [-1.0] * len(response),
+                    **{k: (v[i] if isinstance(v, list) else v) for k, v in columns.items()},
+                },
+            }
+        )
+    return rows
+
+
+async def start(children: list[ChildSpec]) -> Supervisor:
+    sup = Supervisor(children, name="roles-test")
+    await sup.__aenter__()
+    return sup
+
+
+def bus_spec(tasks: list[str], tmp_path: Path) -> tuple[ChildSpec, str]:
+    url = f"inproc://roles-bus-{next(_names)}"
+    spec = ChildSpec(
+        "samples",
+        BusService,
+        kwargs={
+            "url": url,
+            "tasks": tasks,
+            "trainer_task": "train",
+            "run_dir": str(tmp_path / "samples"),
+            "staleness": "inf",
+        },
+        placement=InProc(),
+    )
+    return spec, url
