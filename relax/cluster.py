@@ -20,6 +20,8 @@ the tiny model built from ``[model.init]``, the bus logs, ``metrics.jsonl`` (and
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 import tempfile
 import time
@@ -30,7 +32,8 @@ from typing import Any
 from relax.actors import ChildSpec, InProc, Placement, Process, Restart, Supervisor
 from relax.bus import BusService
 from relax.config import ClusterConfig
-from relax.errors import ConfigError, ConfigIssue
+from relax.control import ControlServer
+from relax.errors import ConfigError
 from relax.roles import (
     CriticRole,
     DatasetRole,
@@ -51,25 +54,8 @@ class Layout:
     samples_url: str
 
 
-def check_supported(cfg: ClusterConfig) -> None:
-    """Raise ``ConfigError`` for what a valid config may say but this cluster cannot run."""
-    if cfg.critic.enabled and cfg.critic.replicas > 1:
-        # Each replica would train its own value model on a share of the rows: the values of
-        # one batch would come from diverging critics.
-        raise ConfigError(
-            [
-                ConfigIssue(
-                    "critic.replicas",
-                    f"one critic is supported, got {cfg.critic.replicas}",
-                    hint="set critic.replicas = 1",
-                )
-            ]
-        )
-
-
 def prepare(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Layout:
     """Create the run folder, build or check the model, and pick the bus addresses."""
-    check_supported(cfg)
     root = (
         Path(run_dir)
         if run_dir
@@ -142,7 +128,6 @@ def sample_tasks(cfg: ClusterConfig) -> list[str]:
 
 def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
     """The supervisor tree of a run (see the module docstring)."""
-    check_supported(cfg)
     plain = plain_config(cfg)
     bus = cfg.bus
     secret = plain["cluster"].get("secret")
@@ -190,6 +175,7 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
             placement=_placement(role_cfg),
             restart=Restart(restart or role_cfg.restart),
             shutdown=cfg.shutdown_for(role_cfg),
+            gang=role_cfg.gang,
         )
 
     children = [
@@ -227,9 +213,35 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
     )
 
 
+def control_server(cfg: ClusterConfig, layout: Layout, tree: Supervisor) -> ControlServer:
+    """The control endpoint of a running tree (``relax status``, ``relax down``, the TUI)."""
+    return ControlServer(
+        tree,
+        run_dir=layout.run_dir,
+        name=cfg.cluster.name,
+        bus_urls={"prompts": layout.prompts_url, "samples": layout.samples_url},
+        bus_secret=plain_config(cfg)["cluster"].get("secret"),
+        rollouts=[f"rollout-{i}" for i in range(cfg.rollout.replicas)],
+        host=cfg.cluster.host if cfg.bus_transport == "tcp" else None,
+    )
+
+
 async def run(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Layout:
-    """Run a whole cluster until the trainer finishes (or the tree gives up, which raises)."""
+    """Run a whole cluster until the trainer finishes, a ``stop`` arrives on the control
+    endpoint (``relax down``), or the tree gives up (which raises)."""
     layout = prepare(cfg, run_dir)
-    async with build_tree(cfg, layout) as tree:
-        await tree.wait()
+    tree = build_tree(cfg, layout)
+    # The endpoint outlives the tree: status stays readable while it stops, and the reply to
+    # a stop request goes out before the endpoint closes.
+    async with control_server(cfg, layout, tree).serving() as control, tree:
+        finished = asyncio.create_task(tree.wait())
+        stop = asyncio.create_task(control.stop_requested.wait())
+        await asyncio.wait({finished, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if finished.done():
+            finished.result()
+        else:  # stopped on request: leaving the block stops the tree in reverse order
+            finished.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await finished
     return layout

@@ -24,7 +24,7 @@ from relax.rewards import RewardSet
 from relax.roles._common import prompt_seed
 from relax.roles._prompts import prompt_row, prompt_stream
 from relax.roles._reward import score_sample
-from relax.training import TorchBackend
+from relax.training import make_backend
 
 
 async def run_sync(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Layout:
@@ -41,9 +41,7 @@ async def run_sync(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Lay
     )
     model, _ = load_policy(layout.model_dir, cfg.trainer.dtype)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    backend = TorchBackend(
-        model, cfg.trainer, cfg.algorithm, pad_id=pad, temperature=cfg.rollout.temperature
-    )
+    backend = make_backend(cfg.trainer, cfg.algorithm, model, pad, cfg.rollout.temperature)
     n = cfg.data.n_samples_per_prompt
     groups_per_step = cfg.trainer.global_batch_size // n
     stops = stop_token_ids(tokenizer)

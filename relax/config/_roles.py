@@ -252,6 +252,17 @@ class CriticConfig(RoleConfig):
     lr: float = Field(1e-5, gt=0, allow_inf_nan=False)
     """Learning rate of the critic's optimiser."""
 
+    def _collect_problems(self, problems: Problems) -> None:
+        super()._collect_problems(problems)
+        if self.enabled and self.replicas > 1:
+            # Each replica would train its own value model on a share of the rows: the values
+            # of one batch would come from diverging critics.
+            problems.add(
+                "replicas",
+                f"one critic is supported, got {self.replicas}",
+                "set critic.replicas = 1",
+            )
+
 
 class TrainerConfig(RoleConfig):
     """``[trainer]``: the role that turns scored samples into policy updates and publishes weights."""
@@ -287,6 +298,13 @@ class TrainerConfig(RoleConfig):
             problems.add(
                 "zero_stage",
                 f'ZeRO stages need backend = "deepspeed", but backend is {show(self.backend)}',
+            )
+        if self.gang > 1 and self.backend != "deepspeed":
+            problems.add(
+                "gang",
+                f'a trainer gang of {self.gang} ranks needs backend = "deepspeed",'
+                f" but backend is {show(self.backend)}",
+                'set trainer.backend = "deepspeed", or trainer.gang = 1',
             )
         step = self.micro_batch_size * self.gang
         if self.global_batch_size % step:

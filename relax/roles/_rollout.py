@@ -38,6 +38,8 @@ class RolloutRole(Actor):
         self._loading = asyncio.Lock()
         self._unpaused = asyncio.Event()
         self._unpaused.set()
+        self._idle = asyncio.Event()  # set between rounds
+        self._idle.set()
 
     async def on_start(self) -> None:
         # In a worker thread: starting vLLM takes seconds, and heartbeats must keep flowing.
@@ -53,9 +55,11 @@ class RolloutRole(Actor):
         """The weights version this rollout serves."""
         return self.engine.version if self.engine else -1
 
-    def pause(self) -> bool:
-        """Stop taking new prompts once the round in flight is put (weights still follow)."""
+    async def pause(self) -> bool:
+        """Stop taking new prompts; returns once the round in flight is put (weights still
+        follow while paused)."""
         self._unpaused.clear()
+        await self._idle.wait()
         return True
 
     def resume(self) -> bool:
@@ -117,7 +121,11 @@ class RolloutRole(Actor):
                     if follower.done():
                         follower.result()  # the follower failed: fail the role with its error
                     await self._unpaused.wait()
-                    await self._round(prompts, samples, n, stops)
+                    self._idle.clear()
+                    try:
+                        await self._round(prompts, samples, n, stops)
+                    finally:
+                        self._idle.set()
             finally:
                 follower.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

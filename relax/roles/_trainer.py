@@ -5,14 +5,23 @@ publish the new weights as version N+1 (which also moves the bus's trainer versi
 rows are dropped and producers are paced); ack the rows; checkpoint every ``every_steps``.
 A skipped step (NaN loss, exploding gradients) publishes nothing and gives the rows back
 acked: they were consumed, and retrying the same poisoned batch would skip again.
+
+A trainer gang (``[trainer] gang`` > 1, placement "process", backend "deepspeed") runs this
+role in every member. Rank 0 alone talks to the bus and writes metrics; every operation that
+touches the model (step, publish, adopt, checkpoint, resume) is collective, so rank 0 first
+broadcasts it (with its rows or weights, in the wire format over torch.distributed, never
+pickled) and then every rank runs it together; the others wait for the next one. All of it
+runs on one worker thread per rank, so heartbeats keep flowing during collectives.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +29,19 @@ from relax.actors import Actor
 from relax.config import ClusterConfig
 from relax.engines import load_policy
 from relax.roles._common import as_list, cluster_config, connect_bus
-from relax.training import TorchBackend
+from relax.training import make_backend
+from relax.transport import dumps, loads
+
+
+def broadcast_message(payload: Any = None) -> Any:
+    """Rank 0's ``payload`` (rows, weights: anything the wire format carries) on every rank
+    of the trainer gang's torch.distributed world. Wire-encoded bytes, never pickled."""
+    import torch.distributed as dist
+
+    from relax.training._deepspeed import broadcast_bytes
+
+    data = dumps(payload) if dist.get_rank() == 0 else None
+    return loads(broadcast_bytes(data, src=0))
 
 
 def train_columns(cfg: ClusterConfig) -> tuple[str, ...]:
@@ -53,23 +74,66 @@ class TrainerRole(Actor):
         self.history: list[dict[str, Any]] = []
 
     async def on_start(self) -> None:
+        ctx = self.context
         model, tokenizer = load_policy(self.model_dir, self.cfg.trainer.dtype)
         pad = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
-        self.backend = TorchBackend(
-            model,
-            self.cfg.trainer,
-            self.cfg.algorithm,
-            pad_id=pad,
-            temperature=self.cfg.rollout.temperature,
-        )
+
+        def build() -> Any:
+            return make_backend(
+                self.cfg.trainer,
+                self.cfg.algorithm,
+                model,
+                pad,
+                self.cfg.rollout.temperature,
+                rank=ctx.rank,
+                world_size=ctx.size,
+            )
+
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        if ctx.size > 1:
+            # Every collective of this rank runs on this one thread, in order.
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"trainer-rank{ctx.rank}"
+            )
+            self.backend = await self._in_thread(build)
+        else:
+            self.backend = build()
         # A trainer restarted inside a run (or a run resumed into its old folder) continues
         # from its newest checkpoint; see run() for weights published after that checkpoint.
-        latest = self._latest_checkpoint()
+        latest = self._latest_checkpoint() if ctx.rank == 0 else None
+        if ctx.size > 1:
+            latest = await self._in_thread(lambda: self._share_path(latest))
         if latest is not None:
-            self.backend.load_checkpoint(latest)
+            if ctx.size > 1:
+                await self._in_thread(lambda: self.backend.load_checkpoint(latest))
+            else:
+                self.backend.load_checkpoint(latest)
             self.log.info("resumed from checkpoint", path=str(latest), version=self.backend.version)
+
+    async def on_stop(self) -> None:
+        self._close_executor()
+
+    async def on_failure(self, exc: BaseException) -> None:
+        self._close_executor()
+
+    def _close_executor(self) -> None:
+        executor = getattr(self, "_executor", None)
+        if executor is not None:
+            # A thread blocked in a collective cannot be interrupted; the process exits anyway.
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _in_thread(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on this rank's collective thread (a gang) or a worker thread."""
+        if self._executor is None:
+            return await asyncio.to_thread(fn)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    @staticmethod
+    def _share_path(path: Path | None) -> Path | None:
+        shared = broadcast_message({"path": None if path is None else str(path)})
+        return None if shared["path"] is None else Path(shared["path"])
 
     def version(self) -> int:
         return self.backend.version
@@ -86,6 +150,15 @@ class TrainerRole(Actor):
         return found[-1] if found else None
 
     async def run(self) -> None:
+        if self.context.rank != 0:
+            await self._follow()
+            return
+        await self._lead()
+        # The other ranks' run() ends too. (If rank 0 crashes instead, the gang is ended
+        # as a unit: a rank waiting for an announcement is killed with it.)
+        await self._together("stop")
+
+    async def _lead(self) -> None:
         cfg = self.cfg
         size = cfg.trainer.global_batch_size
         columns = train_columns(cfg)
@@ -97,12 +170,10 @@ class TrainerRole(Actor):
                 else None
             )
             if newer is not None:  # published after our last checkpoint: continue from there
-                self.backend.adopt(*newer)
+                await self._together("adopt", version=newer[0], weights=newer[1])
                 self.log.warning("continuing from published weights", version=newer[0])
             elif published < self.backend.version:  # a resumed run: the rollouts catch up first
-                await bus.publish_weights(
-                    self.backend.version, self.backend.state_dict_for_publish()
-                )
+                await bus.publish_weights(self.backend.version, await self._together("publish"))
             while self.backend.version < cfg.trainer.steps:
                 started = time.monotonic()
                 async with bus.take(
@@ -121,8 +192,8 @@ class TrainerRole(Actor):
                     rows = [train_row(r, columns) for r in ordered]
                     versions = [r["version"] for r in batch.rows]
                     # Off the event loop: heartbeats must keep flowing during a long step.
-                    result = await asyncio.to_thread(
-                        self.backend.step, [r for r in rows if r["response_ids"]]
+                    result = await self._together(
+                        "step", rows=[r for r in rows if r["response_ids"]]
                     )
                     record = {
                         "step": self.backend.version,
@@ -137,12 +208,54 @@ class TrainerRole(Actor):
                     self._record(record)
                     batch.skipped_step = not result.applied
                     if result.applied:
-                        await bus.publish_weights(
-                            self.backend.version, self.backend.state_dict_for_publish(), ack=batch
-                        )
+                        weights = await self._together("publish")
+                        await bus.publish_weights(self.backend.version, weights, ack=batch)
                         every = cfg.checkpoint.every_steps
                         if every and self.backend.version % every == 0:
-                            await asyncio.to_thread(self._checkpoint)
+                            await self._together("checkpoint")
+
+    # ------------------------------------------------------------------ gang operations
+
+    async def _together(self, op: str, **payload: Any) -> Any:
+        """Run ``op`` on the backend; in a gang, on every rank (rank 0 announces it first)."""
+        if self._executor is None:
+            if op == "publish":
+                return self.backend.state_dict_for_publish()
+            if op == "adopt":
+                return self.backend.adopt(payload["version"], payload["weights"])
+            if op == "stop":
+                return None
+            return await asyncio.to_thread(self._execute, op, payload)
+
+        def announce_and_run() -> Any:
+            broadcast_message({"op": op, **payload})
+            return None if op == "stop" else self._execute(op, payload)
+
+        return await self._in_thread(announce_and_run)
+
+    async def _follow(self) -> None:
+        """Ranks above 0: run whatever rank 0 announces, until it says stop."""
+
+        def next_operation() -> str:
+            message = broadcast_message()
+            op = message.pop("op")
+            if op != "stop":
+                self._execute(op, message)
+            return op
+
+        while await self._in_thread(next_operation) != "stop":
+            pass
+
+    def _execute(self, op: str, payload: dict[str, Any]) -> Any:
+        if op == "step":
+            return self.backend.step(payload["rows"])
+        if op == "publish":
+            return self.backend.state_dict_for_publish()
+        if op == "adopt":
+            return self.backend.adopt(payload["version"], payload["weights"])
+        if op == "checkpoint":
+            return self._checkpoint()
+        raise ValueError(f"unknown trainer operation {op!r}")
 
     def _record(self, record: dict[str, Any]) -> None:
         self.history.append(record)
@@ -157,7 +270,9 @@ class TrainerRole(Actor):
 
     def _checkpoint(self) -> None:
         target = self._checkpoints() / f"step-{self.backend.version:08d}"
-        self.backend.save_checkpoint(target)
+        self.backend.save_checkpoint(target)  # collective in a gang: every rank writes its part
+        if self.context.rank != 0:
+            return
         keep = self.cfg.checkpoint.keep_last
         old = sorted(self._checkpoints().glob("step-*"))
         for stale in old[:-keep] if keep else []:

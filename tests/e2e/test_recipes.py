@@ -60,13 +60,11 @@ def test_recipe_builds_the_tree_its_algorithm_needs(tmp_path, recipe) -> None:
     assert ("critic" in tasks) == ("critic-0" in extra)
 
 
-def test_more_than_one_critic_is_refused_before_anything_starts(tmp_path) -> None:
+def test_more_than_one_critic_is_refused_by_the_config() -> None:
     from relax.errors import ConfigError
 
-    cfg = load_config(EXAMPLES / "ppo" / "cluster.toml", overrides=["critic.replicas=2"])
     with pytest.raises(ConfigError, match=r"critic\.replicas"):
-        cluster.prepare(cfg, tmp_path / "run")
-    assert not (tmp_path / "run").exists()
+        load_config(EXAMPLES / "ppo" / "cluster.toml", overrides=["critic.replicas=2"])
 
 
 @pytest.mark.slow

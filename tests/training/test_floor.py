@@ -9,7 +9,7 @@ from pathlib import Path
 import relax.training
 
 TRAINING_DIR = Path(relax.training.__file__).parent
-ALLOWED_LIBS = {"torch", "transformers", "safetensors"}
+ALLOWED_LIBS = {"torch", "transformers", "safetensors", "deepspeed"}
 ALLOWED_RELAX = ("relax.algos", "relax.errors", "relax.config", "relax.training")
 
 

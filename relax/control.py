@@ -1,0 +1,194 @@
+"""The control endpoint of a running cluster: what ``relax status``, ``relax down`` and the
+TUI talk to.
+
+A cluster serves one small RPC endpoint next to its buses and writes where it is to
+``RUN_DIR/control.json`` (mode 0600, with a random token that authenticates clients — only
+someone who can read the run folder can steer the run). Requests are plain dicts:
+
+- ``{"op": "status"}`` → the supervisor tree snapshot, both buses' statistics, the trainer's
+  version and its most recent ``metrics.jsonl`` records;
+- ``{"op": "restart", "child": ID}`` → restart one child in place;
+- ``{"op": "pause"}`` / ``{"op": "resume"}`` → stop / restart generation (every rollout);
+- ``{"op": "stop"}`` → stop the tree in reverse start order (the trainer checkpoints first).
+
+Nothing here is specific to the TUI: scripts get the same data from ``relax status --json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from relax.actors import Supervisor
+from relax.bus import BusClient
+from relax.errors import RelaxError
+from relax.transport import Client, Peer, connect, serve
+
+CONTROL_FILE = "control.json"
+"""Name of the file in a run folder that says how to reach its running cluster."""
+
+
+class ClusterNotRunning(RelaxError):
+    """No live cluster answers for this run folder: start one with ``relax up``."""
+
+
+class ControlServer:
+    """Serves the control requests of one cluster (see the module docstring)."""
+
+    def __init__(
+        self,
+        tree: Supervisor,
+        *,
+        run_dir: Path,
+        name: str,
+        bus_urls: dict[str, str],
+        bus_secret: str | None,
+        rollouts: list[str],
+        host: str | None = None,
+    ) -> None:
+        self.tree, self.run_dir, self.name = tree, Path(run_dir), name
+        self.bus_urls, self.bus_secret, self.rollouts = bus_urls, bus_secret, rollouts
+        self.host = host
+        self.stop_requested = asyncio.Event()
+        self.paused = False
+        self._buses: dict[str, BusClient] = {}
+        self._started = time.time()
+        self.url = ""
+
+    async def _bus(self, name: str) -> BusClient:
+        if name not in self._buses:
+            self._buses[name] = await BusClient.connect(
+                self.bus_urls[name], secret=self.bus_secret, client_id=f"control-{name}"
+            )
+        return self._buses[name]
+
+    async def status(self, *, history: int = 200) -> dict[str, Any]:
+        """One JSON-ready snapshot of the whole run."""
+        buses: dict[str, Any] = {}
+        for name in self.bus_urls:
+            try:
+                buses[name] = await asyncio.wait_for((await self._bus(name)).statistics(), 5)
+            except (RelaxError, TimeoutError) as exc:  # a bus restarting: say so, don't fail
+                buses[name] = {"error": str(exc)}
+        records = read_metrics(self.run_dir, last=history)
+        applied = [r for r in records if r.get("applied")]
+        samples = buses.get("samples", {})
+        weights = samples.get("weights", {}) if isinstance(samples, dict) else {}
+        return {
+            "cluster": self.name,
+            "pid": os.getpid(),
+            "run_dir": str(self.run_dir),
+            "started_at": self._started,
+            "uptime_s": round(time.time() - self._started, 3),
+            "paused": self.paused,
+            "tree": await self.tree.snapshot(),
+            "bus": buses,
+            "trainer": {
+                "version": weights.get("current", applied[-1]["step"] if applied else 0),
+                "last": records[-1] if records else None,
+            },
+            "metrics": records,
+        }
+
+    async def _handle(self, payload: Any, peer: Peer) -> Any:
+        op = payload.get("op") if isinstance(payload, dict) else None
+        if op == "status":
+            return await self.status(history=int(payload.get("history", 200)))
+        if op == "restart":
+            child = str(payload["child"])
+            await self.tree.restart_child(child)
+            return {"restarted": child}
+        if op in ("pause", "resume"):
+            for rollout in self.rollouts:
+                await self.tree.ref(rollout).call(op, timeout=30)
+            self.paused = op == "pause"
+            return {"paused": self.paused}
+        if op == "stop":
+            self.stop_requested.set()
+            return {"stopping": True}
+        raise ValueError(
+            f"unknown control op {op!r}; expected status, restart, pause, resume, stop"
+        )
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[ControlServer]:
+        """Serve while the block runs; ``control.json`` exists exactly that long."""
+        token = secrets.token_hex(16)
+        if self.host:
+            url = f"tcp://{self.host}:0"
+        else:
+            sockets = Path(tempfile.mkdtemp(prefix="relax-ctl-"))  # unix socket paths are short
+            url = f"ipc://{sockets}/control.sock"
+        server = await serve(url, self._handle, secret=token, concurrency=8)
+        self.url = server.url
+        info = {
+            "url": server.url,
+            "token": token,
+            "pid": os.getpid(),
+            "cluster": self.name,
+            "started_at": self._started,
+        }
+        path = self.run_dir / CONTROL_FILE
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(info, f)
+        tmp.replace(path)
+        try:
+            yield self
+        finally:
+            path.unlink(missing_ok=True)
+            await server.aclose()
+            for bus in self._buses.values():
+                with contextlib.suppress(Exception):
+                    await bus.aclose()
+
+
+def read_metrics(run_dir: Path, *, last: int | None = None) -> list[dict[str, Any]]:
+    """The run's ``metrics.jsonl`` records (the ``last`` ones), skipping a torn final line."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    records = []
+    for line in lines[-last:] if last else lines:
+        with contextlib.suppress(json.JSONDecodeError):
+            records.append(json.loads(line))
+    return records
+
+
+async def connect_control(run_dir: str | Path, *, timeout: float = 5.0) -> Client:
+    """A control client for the cluster running in ``run_dir``; ``ClusterNotRunning`` if none."""
+    path = Path(run_dir) / CONTROL_FILE
+    if not path.exists():
+        raise ClusterNotRunning(f"no running cluster in {run_dir} (no {CONTROL_FILE})")
+    info = json.loads(path.read_text())
+    try:
+        os.kill(int(info["pid"]), 0)
+    except ProcessLookupError:
+        raise ClusterNotRunning(
+            f"the cluster of {run_dir} (pid {info['pid']}) is gone; {CONTROL_FILE} is stale"
+        ) from None
+    except PermissionError:
+        pass  # alive, owned by someone else: the token decides
+    try:
+        return await connect(info["url"], secret=info["token"], connect_timeout=timeout)
+    except RelaxError as exc:
+        raise ClusterNotRunning(f"the cluster of {run_dir} does not answer: {exc}") from None
+
+
+async def control_request(run_dir: str | Path, payload: dict[str, Any], timeout: float = 30) -> Any:
+    """One control request to the cluster running in ``run_dir``."""
+    client = await connect_control(run_dir)
+    try:
+        return await client.request(payload, timeout=timeout)
+    finally:
+        await client.aclose()

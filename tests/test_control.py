@@ -1,0 +1,98 @@
+"""The control endpoint of a running cluster: status, restart, pause/resume, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from relax import cluster
+from relax.config import parse_config
+from relax.control import CONTROL_FILE, ClusterNotRunning, control_request, read_metrics
+from tests.actors.helpers import find, wait_until
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+TOML = """
+staleness = 1
+[cluster]
+name = "ctl"
+[model.init]
+hidden_size = 32
+num_layers = 1
+num_heads = 2
+num_kv_heads = 1
+intermediate_size = 64
+vocab_size = 261
+[data]
+n_samples_per_prompt = 4
+[rollout]
+max_new_tokens = 4
+batch_size = 2
+[bus]
+lease_timeout = 5   # a lease granted to the reward role just as it was restarted comes back soon
+[trainer]
+steps = 100000
+global_batch_size = 8
+micro_batch_size = 8
+"""
+
+
+async def test_status_restart_pause_and_stop(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    with pytest.raises(ClusterNotRunning):
+        await control_request(run_dir, {"op": "status"})
+    running = asyncio.create_task(cluster.run(parse_config(TOML), run_dir))
+    await wait_until(lambda: (run_dir / CONTROL_FILE).exists(), timeout=60, what="control.json")
+    assert oct((run_dir / CONTROL_FILE).stat().st_mode & 0o777) == "0o600"
+
+    async def version() -> int:
+        return (await control_request(run_dir, {"op": "status"}))["trainer"]["version"]
+
+    await wait_until(lambda: _above(version, 2), timeout=60, what="training to progress")
+    status = await control_request(run_dir, {"op": "status"})
+    json.dumps(status)  # JSON-ready, as `relax status --json` prints it
+    assert status["cluster"] == "ctl" and status["tree"]["id"] == "ctl"
+    ids = {c["id"] for c in status["tree"]["children"]}
+    assert {"samples", "prompts", "dataset", "reward-0", "trainer", "rollout-0"} <= ids
+    assert status["bus"]["samples"]["counters"]["put"] > 0
+    assert status["metrics"] and status["metrics"][-1]["step"] >= 1
+
+    assert await control_request(run_dir, {"op": "restart", "child": "reward-0"})
+    after = await control_request(run_dir, {"op": "status"})
+    assert find(after["tree"], "reward-0")["restart_count"] == 1
+
+    # Paused: the reply comes once the round in flight is put; then nothing more is generated
+    # while the trainer eats what is left on the bus, until it has too little for a step.
+    assert (await control_request(run_dir, {"op": "pause"}))["paused"] is True
+    puts = await _puts(run_dir)
+    await wait_until(lambda: _starved(run_dir), timeout=60, what="the trainer to run dry")
+    assert await _puts(run_dir) == puts
+    assert (await control_request(run_dir, {"op": "resume"}))["paused"] is False
+    await wait_until(lambda: _above(lambda: _puts(run_dir), puts), timeout=60, what="puts again")
+
+    with pytest.raises(Exception, match="unknown control op"):
+        await control_request(run_dir, {"op": "explode"})
+    assert await control_request(run_dir, {"op": "stop"}) == {"stopping": True}
+    layout = await asyncio.wait_for(running, 60)
+    assert not (run_dir / CONTROL_FILE).exists()
+    assert len(read_metrics(layout.run_dir)) < 100000  # stopped on request, not finished
+    with pytest.raises(ClusterNotRunning):
+        await control_request(run_dir, {"op": "status"})
+
+
+async def _above(value, floor: int) -> bool:
+    return await value() > floor
+
+
+async def _puts(run_dir: Path) -> int:
+    status = await control_request(run_dir, {"op": "status", "history": 1})
+    return status["bus"]["samples"]["counters"]["put"]
+
+
+async def _starved(run_dir: Path) -> bool:
+    """Fewer rows left on the sample bus than one training step needs."""
+    status = await control_request(run_dir, {"op": "status", "history": 1})
+    return status["bus"]["samples"]["rows"] < 8
