@@ -75,10 +75,17 @@ async def test_status_restart_pause_and_stop(tmp_path: Path) -> None:
 
     with pytest.raises(Exception, match="unknown control op"):
         await control_request(run_dir, {"op": "explode"})
+    # Stopped while idle, the trainer saves its last published version on the way out.
+    await control_request(run_dir, {"op": "pause"})
+    await wait_until(lambda: _starved(run_dir), timeout=60, what="the trainer to run dry")
     assert await control_request(run_dir, {"op": "stop"}) == {"stopping": True}
     layout = await asyncio.wait_for(running, 60)
     assert not (run_dir / CONTROL_FILE).exists()
-    assert len(read_metrics(layout.run_dir)) < 100000  # stopped on request, not finished
+    records = read_metrics(layout.run_dir)
+    assert len(records) < 100000  # stopped on request, not finished
+    last = max(r["step"] for r in records if r["applied"])
+    saved = sorted(p.name for p in (layout.run_dir / "checkpoints").iterdir())
+    assert saved == [f"step-{last:08d}"]
     with pytest.raises(ClusterNotRunning):
         await control_request(run_dir, {"op": "status"})
 

@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import json
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -63,6 +64,10 @@ def train_row(row: dict[str, Any], columns: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+def _checkpoint_name(version: int) -> str:
+    return f"step-{version:08d}"
+
+
 class TrainerRole(Actor):
     def __init__(
         self, *, config: dict[str, Any], samples_url: str, model_dir: str, run_dir: str
@@ -72,6 +77,8 @@ class TrainerRole(Actor):
         self.run_dir = Path(run_dir)
         self.metrics_file = self.run_dir / "metrics.jsonl"
         self.history: list[dict[str, Any]] = []
+        self._lock = threading.Lock()  # one backend operation at a time, across threads
+        self._published = -1  # the newest version the bus holds (rank 0)
 
     async def on_start(self) -> None:
         ctx = self.context
@@ -113,7 +120,22 @@ class TrainerRole(Actor):
             self.log.info("resumed from checkpoint", path=str(latest), version=self.backend.version)
 
     async def on_stop(self) -> None:
+        if getattr(self, "_executor", None) is None and hasattr(self, "backend"):
+            # Stopped on request (relax down, Ctrl-C): keep what was trained.
+            await asyncio.to_thread(self._final_checkpoint)
         self._close_executor()
+
+    def _final_checkpoint(self) -> None:
+        with self._lock:  # after a step still running in its thread
+            version = self.backend.version
+            if version != self._published:
+                # A step applied after the stop began was never published nor acked: its rows
+                # go back to the bus, so saving it would train them twice on resume.
+                return
+            latest = self._latest_checkpoint()
+            if latest is None or latest.name != _checkpoint_name(version):
+                self._checkpoint()
+                self.log.info("checkpoint on stop", version=version)
 
     async def on_failure(self, exc: BaseException) -> None:
         self._close_executor()
@@ -174,6 +196,7 @@ class TrainerRole(Actor):
                 self.log.warning("continuing from published weights", version=newer[0])
             elif published < self.backend.version:  # a resumed run: the rollouts catch up first
                 await bus.publish_weights(self.backend.version, await self._together("publish"))
+            self._published = self.backend.version
             while self.backend.version < cfg.trainer.steps:
                 started = time.monotonic()
                 async with bus.take(
@@ -210,9 +233,13 @@ class TrainerRole(Actor):
                     if result.applied:
                         weights = await self._together("publish")
                         await bus.publish_weights(self.backend.version, weights, ack=batch)
+                        self._published = self.backend.version
                         every = cfg.checkpoint.every_steps
                         if every and self.backend.version % every == 0:
                             await self._together("checkpoint")
+            latest = self._latest_checkpoint()
+            if latest is None or latest.name != _checkpoint_name(self.backend.version):
+                await self._together("checkpoint")  # the end of training is always saved
 
     # ------------------------------------------------------------------ gang operations
 
@@ -247,6 +274,10 @@ class TrainerRole(Actor):
             pass
 
     def _execute(self, op: str, payload: dict[str, Any]) -> Any:
+        with self._lock:
+            return self._execute_locked(op, payload)
+
+    def _execute_locked(self, op: str, payload: dict[str, Any]) -> Any:
         if op == "step":
             return self.backend.step(payload["rows"])
         if op == "publish":
@@ -269,7 +300,7 @@ class TrainerRole(Actor):
         )
 
     def _checkpoint(self) -> None:
-        target = self._checkpoints() / f"step-{self.backend.version:08d}"
+        target = self._checkpoints() / _checkpoint_name(self.backend.version)
         self.backend.save_checkpoint(target)  # collective in a gang: every rank writes its part
         if self.context.rank != 0:
             return
