@@ -55,4 +55,11 @@ class RewardRole(Actor):
                             await bus.add_columns(row["uid"], {"reward": float(result.reward)})
                         else:
                             self.failed += 1
+                            self.log.warning(
+                                "reward failed; the sample's group is dropped",
+                                uid=row["uid"],
+                                group=row["group"],
+                                reason=result.reason,
+                                failures=result.failures,
+                            )
                             batch.drop([row["uid"]], "reward_failed")

@@ -90,17 +90,16 @@ class RolloutRole(Actor):
         while True:
             await self._sync_weights(bus, wait=30.0)
 
-    async def _wait_for_newer(self, version: int) -> None:
-        """Until the engine serves a version above ``version`` (the follower loads it)."""
+    async def _newer_within(self, version: int, timeout: float) -> bool:
+        """Whether the engine serves a version above ``version`` within ``timeout`` seconds
+        (the follower loads it)."""
         assert self.engine is not None and self._new_weights is not None
-        timeout = self.cfg.rollout.weight_sync_timeout
         async with self._new_weights:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
                     self._new_weights.wait_for(lambda: self.engine.version > version), timeout
                 )
-        if self.engine.version <= version:
-            self.log.warning("no newer weights yet", version=version, waited_s=timeout)
+        return self.engine.version > version
 
     async def run(self) -> None:
         assert self.engine is not None
@@ -144,13 +143,23 @@ class RolloutRole(Actor):
         for row in batch.rows:
             while True:
                 version = engine.version
-                verdict = await samples.admit(row["uid"], n, version, wait=5.0)
+                verdict = await samples.admit(row["uid"], n, version, wait=0.0)
                 if verdict == "behind":  # our weights are too old: the follower brings newer
-                    await self._wait_for_newer(version)
+                    timeout = cfg.rollout.weight_sync_timeout
+                    if not await self._newer_within(version, timeout):
+                        self.log.warning("no newer weights yet", version=version, waited_s=timeout)
                     continue
+                if verdict == "ahead" and not admitted:
+                    # Waiting at the bus cannot help: for a fixed version "ahead" stays so until
+                    # the trainer moves on. Newer weights can: wait for them instead.
+                    if await self._newer_within(version, 5.0):
+                        continue
+                elif verdict == "full" and not admitted:
+                    verdict = await samples.admit(row["uid"], n, version, wait=5.0)
                 break
-            if verdict == "ok":
-                admitted.append(row)
+            if verdict != "ok":
+                break  # the rest would be refused too: generate what was admitted now
+            admitted.append(row)
         waiting = [r for r in batch.rows if r not in admitted]
         if waiting:  # the trainer is behind: these prompts go back for later
             await prompts.release(replace(batch, rows=waiting))

@@ -36,6 +36,16 @@ PEER = Path(__file__).with_name("group_peer.py")
 REPO = PEER.parents[2]
 
 
+_default_group = [False]
+
+
+@pytest.fixture(autouse=True)
+def _remember_default_group() -> None:
+    """Whether torch's default process group existed before the test (another test in this
+    process may have created one, e.g. an in-process vLLM engine); open_group must not change it."""
+    _default_group[0] = dist.is_initialized()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -147,7 +157,7 @@ async def test_broadcast_and_bucket_fill_receive_buffers_in_place() -> None:
         torch.randn(2, 2_700_000),  # 21.6 MB: more than one 16 MiB payload chunk
     ]
     async with local_group() as (g0, g1):
-        assert not dist.is_initialized()
+        assert dist.is_initialized() is _default_group[0]  # untouched by open_group
         assert (g0.backend, g0.rank, g1.rank, g0.world_size) == ("gloo", 0, 1, 2)
         for method in ("broadcast", "broadcast_bucket"):
             wide = torch.zeros(4, 6)
@@ -230,7 +240,7 @@ async def test_peer_that_never_joins_is_peer_gone_within_the_timeout() -> None:
         with pytest.raises(PeerGone, match=r"within 0\.5 s"):
             await open_group(url(), rank=rank, world_size=2, timeout=0.5)
         assert time.monotonic() - start < 2.0
-    assert not dist.is_initialized()
+    assert dist.is_initialized() is _default_group[0]  # untouched by open_group
 
 
 async def test_cancelled_caller_does_not_drop_the_collective() -> None:
@@ -294,7 +304,7 @@ async def test_50mb_state_dict_to_another_process_bit_identical_and_bandwidth(
     peers.append(peer)
     names, tensors = state_tensors(1, size, receive=False)
     async with await open_group(address, rank=0, world_size=2, timeout=20) as group:
-        assert not dist.is_initialized()
+        assert dist.is_initialized() is _default_group[0]  # untouched by open_group
         gaps: list[float] = []
 
         async def ticker() -> None:  # stands in for an actor's heartbeats
@@ -393,7 +403,7 @@ async def test_two_groups_on_two_ports_in_the_same_processes(
         await open_group(a, rank=0, world_size=2, timeout=20) as ga,
         await open_group(b, rank=1, world_size=2, timeout=20) as gb,
     ):
-        assert not dist.is_initialized()
+        assert dist.is_initialized() is _default_group[0]  # untouched by open_group
         await asyncio.gather(ga.broadcast_bucket(xa), gb.broadcast(xb))
     events = await peer.events_until("closed")
     assert events[0] == {"event": "open", "initialized": True}

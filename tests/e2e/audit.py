@@ -1,0 +1,233 @@
+"""Offline audits of a finished run: its samples bus log, its metrics and its captured logs.
+
+The samples bus appends every change (puts, columns, leases, acks, drops, versions) to its log
+before it answers anyone, so replaying that log after the run tells exactly what happened to
+every row, however often the roles around it were killed (as ``tests/bus/test_exactly_once.py``
+does for a bare producer and consumer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import os
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from relax.bus import BusTable, SegmentLog
+from relax.log import ENV_FORMAT, ENV_LEVEL, configure_logging
+from relax.transport import loads
+
+
+def _plain(value: Any) -> Any:
+    to_torch = getattr(value, "to_torch", None)
+    return to_torch().tolist() if to_torch is not None else value
+
+
+@dataclass
+class BusLedger:
+    """What the samples bus log says happened to each row."""
+
+    rows: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """uid -> the row as first put (group, version, columns)."""
+    puts: Counter[str] = field(default_factory=Counter)
+    """uid -> how many logged put records carried it (the bus deduplicates: must be 1)."""
+    rewards: dict[str, float] = field(default_factory=dict)
+    """uid -> the reward column written for it."""
+    acks: dict[str, Counter[str]] = field(default_factory=dict)
+    """task -> uid -> how many times it was acked (must be at most 1)."""
+    dropped: dict[str, str] = field(default_factory=dict)
+    """uid -> reason its group was dropped ("stale", "reward_failed", ...)."""
+    dropped_on_arrival: set[str] = field(default_factory=set)
+    """Rows put after the rest of their group was dropped (dropped at once, with the group)."""
+    drop_ops: list[dict[str, Any]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """Trainer versions, in the order the bus recorded them (one per committed weights)."""
+    pending: set[str] = field(default_factory=set)
+    """Rows still on the bus when the run ended."""
+    counters: Counter[str] = field(default_factory=Counter)
+    records: int = 0
+
+    def acked(self, task: str) -> Counter[str]:
+        return self.acks.get(task, Counter())
+
+    @property
+    def trained(self) -> set[str]:
+        return set(self.acked("train"))
+
+    def dropped_for(self, reason: str) -> set[str]:
+        return {uid for uid, why in self.dropped.items() if why == reason}
+
+    def summary(self) -> dict[str, int]:
+        reasons = Counter(self.dropped.values())
+        return {
+            "put": len(self.rows),
+            "trained": len(self.trained),
+            "pending": len(self.pending - self.trained),
+            "dropped_on_arrival": len(self.dropped_on_arrival),
+            **{f"dropped_{reason}": n for reason, n in sorted(reasons.items())},
+            "expired_leases": self.counters["expired_leases"],
+            "duplicate_puts": self.counters["duplicate_puts"],
+            "ignored_acks": self.counters["ignored_acks"],
+        }
+
+
+def replay_samples_bus(run_dir: Path) -> BusLedger:
+    """Replay ``run_dir/samples/bus-log`` (the bus must be stopped) into a ``BusLedger``."""
+    ledger = BusLedger()
+    with SegmentLog(run_dir / "samples" / "bus-log") as log:
+        # Compaction deletes whole old segments; a per-row audit needs every record.
+        assert log.first_seq == 0, f"the bus log was compacted (first seq {log.first_seq})"
+        ops = [(seq, loads(record)) for seq, record in log.replay()]
+    # The consumer tasks ("reward", "train", and "reference"/"critic" when enabled).
+    tasks = {"train"} | {op["task"] for _, op in ops if "task" in op}
+    table = BusTable(tasks=tuple(sorted(tasks)), capacity=1 << 30, staleness=math.inf)
+    for seq, op in ops:
+        ledger.records += 1
+        kind = op["op"]
+        if kind == "put":
+            for row in op["rows"]:
+                uid = row["uid"]
+                ledger.puts[uid] += 1
+                if uid not in ledger.rows:
+                    cols = {k: _plain(v) for k, v in (row.get("columns") or {}).items()}
+                    ledger.rows[uid] = {**row, "columns": cols}
+                if row["group"] in table.dropped_groups:
+                    ledger.dropped_on_arrival.add(uid)
+        elif kind == "columns" and "reward" in op["columns"]:
+            ledger.rewards[op["uid"]] = float(_plain(op["columns"]["reward"]))
+        elif kind == "ack":
+            acked = ledger.acks.setdefault(op["task"], Counter())
+            for uid, _attempt in op["items"]:
+                acked[uid] += 1
+        elif kind == "drop":
+            ledger.drop_ops.append(op)
+            for uid in op["uids"]:
+                ledger.dropped.setdefault(uid, op["reason"])
+        elif kind == "version":
+            ledger.versions.append(int(op["version"]))
+        table.apply(op, seq)
+    ledger.pending = set(table.rows)
+    ledger.counters = table.counters
+    return ledger
+
+
+def check_exactly_once(ledger: BusLedger) -> None:
+    """Zero samples lost, zero trained twice, and every drop has a reason."""
+    twice = {uid: n for uid, n in ledger.puts.items() if n != 1}
+    assert not twice, f"rows put more than once: {twice}"
+    for task, acked in ledger.acks.items():
+        again = {uid: n for uid, n in acked.items() if n != 1}
+        assert not again, f"rows acked by {task!r} more than once: {again}"
+        unknown = set(acked) - set(ledger.rows)
+        assert not unknown, f"{task!r} acked rows never put: {sorted(unknown)[:5]}"
+    trained = ledger.trained
+    dropped = set(ledger.dropped) | ledger.dropped_on_arrival
+    pending = ledger.pending - trained
+    assert not trained & dropped, f"rows trained and dropped: {sorted(trained & dropped)[:5]}"
+    assert not pending & dropped, f"dropped rows still on the bus: {sorted(pending & dropped)[:5]}"
+    vanished = set(ledger.rows) - trained - dropped - pending
+    assert not vanished, f"{len(vanished)} rows vanished, e.g. {sorted(vanished)[:5]}"
+    assert all(why for why in ledger.dropped.values()), "a drop without a reason"
+    # Groups leave whole: a group is never half trained, half dropped.
+    by_group: dict[str, set[str]] = {}
+    for uid, row in ledger.rows.items():
+        by_group.setdefault(row["group"], set()).add(uid)
+    for group, uids in by_group.items():
+        if uids & trained:
+            assert not uids & dropped, f"group {group} was partly trained, partly dropped"
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def applied_steps(run_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in read_metrics(run_dir) if r["applied"]]
+
+
+def check_metrics(records: list[dict[str, Any]], steps: int) -> tuple[list[int], int]:
+    """Versions never go backwards and every step 1..steps was applied.
+
+    Returns ``(applied step numbers, redone)``: ``redone`` counts applied records repeated for
+    the same step — a trainer killed after writing a step's record but before its weights were
+    committed redoes that step from the last published weights.
+    """
+    applied = [r["step"] for r in records if r["applied"]]
+    assert all(b >= a for a, b in itertools.pairwise(applied)), applied
+    assert sorted(set(applied)) == list(range(1, steps + 1)), applied
+    versions = [r["step"] for r in records]
+    assert all(b >= a for a, b in itertools.pairwise(versions)), versions
+    return applied, len(applied) - len(set(applied))
+
+
+# --------------------------------------------------------------------------- logs
+
+
+@contextlib.contextmanager
+def captured_logs(path: Path) -> Iterator[Path]:
+    """Send every log line of this process and its children (JSON) to ``path``.
+
+    Child processes inherit file descriptor 2 and the log format, so fd 2 points at the file
+    for the duration; this process's structlog writes there through its own handle.
+    """
+    env = {name: os.environ.get(name) for name in (ENV_LEVEL, ENV_FORMAT)}
+    with open(path, "a", buffering=1) as stream:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        saved = os.dup(2)
+        os.dup2(fd, 2)
+        configure_logging(level="info", fmt="json", stream=stream, force=True)
+        try:
+            yield path
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(fd)
+            structlog.reset_defaults()
+            configure_logging(force=True)
+            for name, value in env.items():  # what children inherit goes back to what it was
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+@dataclass
+class LogLines:
+    json: list[dict[str, Any]]
+    """Structured (structlog JSON) lines."""
+    text: list[str]
+    """Every other line (stdlib ``logging`` warnings, progress bars)."""
+
+    def events(self, event: str, **match: Any) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in self.json
+            if e.get("event") == event and all(e.get(k) == v for k, v in match.items())
+        ]
+
+
+def read_logs(path: Path) -> LogLines:
+    structured, text = [], []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            value = json.loads(line)
+        except ValueError:
+            value = None
+        if isinstance(value, dict):
+            structured.append(value)
+        elif line.strip():
+            text.append(line)
+    return LogLines(structured, text)
