@@ -21,9 +21,9 @@ from relax.cluster import Layout, prepare
 from relax.config import ClusterConfig
 from relax.engines import load_policy, load_tokenizer, open_engine, stop_token_ids
 from relax.rewards import RewardSet
-from relax.roles._common import prompt_seed
 from relax.roles._prompts import prompt_row, prompt_stream
 from relax.roles._reward import score_sample
+from relax.roles._rollout import generate_groups
 from relax.training import make_backend
 
 
@@ -93,18 +93,7 @@ async def _generate_and_score(
     """Sample each prompt's group and score it; a group with a failed reward is dropped whole,
     as the reward role drops it."""
     n = cfg.data.n_samples_per_prompt
-    gens = await engine.generate(
-        [p["columns"]["prompt_ids"] for p in prompts],
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        stop_token_ids=stops,
-        n=n,
-        seed=None
-        if cfg.rollout.seed is None
-        else [prompt_seed(cfg.rollout.seed, p["uid"]) for p in prompts],
-    )
+    gens = await generate_groups(engine, cfg, prompts, stops)
     rows = []
     for i, prompt in enumerate(prompts):
         group = []

@@ -21,6 +21,7 @@ correct for it). ``temperature = 0`` means greedy decoding; the logprobs are the
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -102,6 +103,23 @@ class Generation:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
+def sampling_request(
+    prompts: Sequence[Sequence[int]],
+    seed: int | Sequence[int] | None,
+    **sampling: Any,
+) -> tuple[SamplingParams, list[int] | None]:
+    """Validate one ``generate`` call: its ``SamplingParams`` and, when ``seed`` is a sequence,
+    the per-prompt seeds (then ``SamplingParams.seed`` is None)."""
+    seeds = None
+    if seed is not None and not isinstance(seed, int):
+        seeds = [int(x) for x in seed]
+        if len(seeds) != len(prompts):
+            raise EngineError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        seed = None
+    stops = tuple(int(t) for t in sampling.pop("stop_token_ids", ()))
+    return SamplingParams(stop_token_ids=stops, seed=seed, **sampling), seeds
+
+
 class GenerationEngine(abc.ABC):
     """A backend that samples responses and swaps weights between versions.
 
@@ -156,3 +174,11 @@ class GenerationEngine(abc.ABC):
 
     async def close(self) -> None:
         """Release resources (threads, processes, accelerator memory)."""
+
+    def _async_lock(self) -> asyncio.Lock:
+        """The lock generations and weight loads take (created on first use, so an engine can
+        be built outside a running loop)."""
+        lock: asyncio.Lock | None = getattr(self, "_lock", None)
+        if lock is None:
+            lock = self._lock = asyncio.Lock()
+        return lock

@@ -1,24 +1,25 @@
-"""``HFEngine``: generation with Hugging Face ``generate`` — the CPU default and the test engine.
+"""``HFEngine``: generation with a transformers causal LM — the CPU default and the test engine.
 
 How it works, and why:
 
-- **Off the event loop.** ``generate`` runs in a worker thread (``asyncio.to_thread``) so the
+- **Off the event loop.** Decoding runs in a worker thread (``asyncio.to_thread``) so the
   caller's event loop keeps serving its mailbox, heartbeats and the bus while the model computes.
+- **Our own decode loop** (a prefill, then one KV-cached forward per token) rather than
+  ``generate``: it gives the two things RL needs that ``generate`` does not — a weight update
+  may land *between two tokens* (interruptible rollouts, each token's version recorded), and each
+  row may draw from its own seeded generator (a prompt's samples do not depend on its batch).
 - **Batching.** One call's prompts (each repeated ``n`` times) are decoded together, left-padded
   (decoder-only models continue from the right edge), in chunks of at most ``max_batch_size``
   sequences. Concurrent calls are serialised, not merged: each call is already a batch, and the
   rollout role sizes its calls.
-- **Logprobs from ``output_scores``.** ``generate`` hands back the *processed* scores of every
-  step — logits after temperature, top-k and top-p — which is exactly the distribution each
-  token was drawn from; ``log_softmax`` of them at the sampled id is the behaviour policy's
-  logprob by construction (see ``relax.engines._base`` for the precise contract). Recomputing
-  with a second forward pass would cost as much again and could differ from what was actually
-  sampled by the numerics of the cached, padded decode. Memory is ``batch * new_tokens * vocab``
-  floats per chunk; lower ``max_batch_size`` for large vocabularies.
-- **Atomic weights.** ``generate`` and ``load_weights`` take the same lock — an ``asyncio.Lock``
-  so waiting never blocks the loop, plus a ``threading.Lock`` inside the worker so that even a
-  cancelled caller (whose thread keeps running) can never overlap a weight swap. The version is
-  read and written under that lock, together with the weights.
+- **Logprobs of what was sampled.** Each token is drawn from the processed distribution
+  (temperature, then top-k, then top-p, renormalised) and its logprob is read from that same
+  distribution — the behaviour policy's logprob by construction (see ``relax.engines._base``).
+- **Atomic weights.** A generation and a weight load never overlap: both take an
+  ``asyncio.Lock`` (waiting never blocks the loop) and a ``threading.Lock`` inside the worker (a
+  cancelled caller's thread keeps running, and still excludes a swap). An *interruptible* engine
+  instead hands an update to the generation in flight, which applies it between two forward
+  passes — all weights at once, so no forward pass sees a mix of versions.
 """
 
 from __future__ import annotations
@@ -34,16 +35,23 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from relax.engines._base import EngineError, Generation, GenerationEngine, SamplingParams, StateDict
+from relax.engines._base import (
+    EngineError,
+    Generation,
+    GenerationEngine,
+    SamplingParams,
+    StateDict,
+    sampling_request,
+)
 from relax.engines._models import load_policy
 
 
 class HFEngine(GenerationEngine):
-    """Sample from a transformers causal LM with ``generate``.
+    """Sample from a transformers causal LM (see the module docstring).
 
-    ``model`` is owned by the engine from now on: its ``generation_config`` is replaced by a
-    neutral one so that only the arguments of ``generate`` decide how to sample (a checkpoint's
-    default ``top_k = 50`` or EOS must not leak in).
+    ``model`` is owned by the engine from now on: only the arguments of ``generate`` decide how
+    to sample (a checkpoint's generation config — its ``top_k = 50`` or EOS — never leaks in).
+    ``interruptible``: weight updates land between two tokens of a generation in flight.
     """
 
     def __init__(
@@ -124,12 +132,6 @@ class HFEngine(GenerationEngine):
         stats["tokens_per_second"] = stats["generated_tokens"] / seconds if seconds > 0 else 0.0
         return stats
 
-    def _async_lock(self) -> asyncio.Lock:
-        # Created on first use so the engine can be built outside a running loop.
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        return self._lock
-
     async def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -142,20 +144,15 @@ class HFEngine(GenerationEngine):
         n: int = 1,
         seed: int | Sequence[int] | None = None,
     ) -> list[Generation]:
-        seeds = None
-        if seed is not None and not isinstance(seed, int):
-            seeds = [int(x) for x in seed]
-            if len(seeds) != len(prompts):
-                raise EngineError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-            seed = None
-        params = SamplingParams(
+        params, seeds = sampling_request(
+            prompts,
+            seed,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
-            stop_token_ids=tuple(int(t) for t in stop_token_ids),
+            stop_token_ids=stop_token_ids,
             n=n,
-            seed=seed,
         )
         checked = [self._check_prompt(i, p, max_new_tokens) for i, p in enumerate(prompts)]
         if not checked:

@@ -53,7 +53,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from relax.config import VllmConfig
-from relax.engines._base import EngineError, Generation, GenerationEngine, SamplingParams, StateDict
+from relax.engines._base import (
+    EngineError,
+    Generation,
+    GenerationEngine,
+    SamplingParams,
+    StateDict,
+    sampling_request,
+)
 from relax.engines._models import load_tokenizer
 from relax.errors import ConfigError, ConfigIssue
 
@@ -292,12 +299,6 @@ class VLLMEngine(GenerationEngine):
         stats["tokens_per_second"] = stats["generated_tokens"] / seconds if seconds > 0 else 0.0
         return stats
 
-    def _async_lock(self) -> asyncio.Lock:
-        # Created on first use so the engine can be built outside a running loop.
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        return self._lock
-
     async def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -310,20 +311,15 @@ class VLLMEngine(GenerationEngine):
         n: int = 1,
         seed: int | Sequence[int] | None = None,
     ) -> list[Generation]:
-        seeds = None
-        if seed is not None and not isinstance(seed, int):
-            seeds = [int(x) for x in seed]
-            if len(seeds) != len(prompts):
-                raise EngineError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-            seed = None
-        params = SamplingParams(
+        params, seeds = sampling_request(
+            prompts,
+            seed,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
-            stop_token_ids=tuple(int(t) for t in stop_token_ids),
+            stop_token_ids=stop_token_ids,
             n=n,
-            seed=seed,
         )
         checked = [self._check_prompt(i, p, max_new_tokens) for i, p in enumerate(prompts)]
         if not checked:

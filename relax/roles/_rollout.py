@@ -23,8 +23,29 @@ from typing import Any
 
 from relax.actors import Actor
 from relax.bus import BusClient
-from relax.engines import GenerationEngine, open_engine, stop_token_ids
+from relax.config import ClusterConfig
+from relax.engines import Generation, GenerationEngine, open_engine, stop_token_ids
 from relax.roles._common import as_list, cluster_config, connect_bus, prompt_seed
+
+
+async def generate_groups(
+    engine: GenerationEngine, cfg: ClusterConfig, prompts: list[dict[str, Any]], stops: list[int]
+) -> list[Generation]:
+    """``data.n_samples_per_prompt`` samples of each prompt row, as ``[rollout]`` says, each
+    prompt seeded by its id (see the module docstring)."""
+    rollout = cfg.rollout
+    return await engine.generate(
+        [as_list(r["columns"]["prompt_ids"]) for r in prompts],
+        max_new_tokens=rollout.max_new_tokens,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        stop_token_ids=stops,
+        n=cfg.data.n_samples_per_prompt,
+        seed=None
+        if rollout.seed is None
+        else [prompt_seed(rollout.seed, r["uid"]) for r in prompts],
+    )
 
 
 class RolloutRole(Actor):
@@ -165,18 +186,7 @@ class RolloutRole(Actor):
             await prompts.release(replace(batch, rows=waiting))
         if not admitted:
             return
-        gens = await engine.generate(
-            [as_list(r["columns"]["prompt_ids"]) for r in admitted],
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k,
-            stop_token_ids=stops,
-            n=n,
-            seed=None
-            if cfg.rollout.seed is None
-            else [prompt_seed(cfg.rollout.seed, r["uid"]) for r in admitted],
-        )
+        gens = await generate_groups(engine, cfg, admitted, stops)
         rows = []
         for i, row in enumerate(admitted):
             for j in range(n):
