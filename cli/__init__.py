@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from relax.cli import _demo, _up, _validate  # noqa: F401  (each module registers its commands)
+from relax.cli import (  # noqa: F401  (each module registers its commands)
+    _ckpt,
+    _demo,
+    _down,
+    _init,
+    _logs,
+    _plot,
+    _status,
+    _up,
+    _validate,
+)
 from relax.cli._app import app
 
 
