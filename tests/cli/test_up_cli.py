@@ -18,16 +18,16 @@ import pytest
 from typer.testing import CliRunner
 
 from relax.cli import app
-from relax.cli._up import (
+from relax.cli._up_progress import (
     PlainReporter,
     RichReporter,
-    SignalRouting,
-    StderrPump,
     StepStats,
     plain_line,
-    resume_hint,
     staleness_of,
 )
+from relax.cli._up_run_folder import resume_hint
+from relax.cli._up_signals import SignalRouting
+from relax.cli._up_stderr import StderrPump
 from relax.config import parse_config
 
 REPO = Path(__file__).resolve().parents[2]
