@@ -15,7 +15,11 @@
 
 Roles meet only on the buses. Everything a run writes goes under one run folder:
 the tiny model built from ``[model.init]``, the bus logs, ``metrics.jsonl`` (and the critic's
-``critic.jsonl``), checkpoints (the critic's under ``<checkpoint.dir>/critic``).
+``critic.jsonl``), checkpoints (the critic's under ``<checkpoint.dir>/critic``), TensorBoard
+events in ``tensorboard/`` ([logging] tensorboard), and every process's log lines as JSON, one
+file per actor, in ``logs/<actor-id>.jsonl`` ([logging] log_files). While it runs, the main
+process serves Prometheus metrics on ``http://127.0.0.1:PORT/metrics`` ([logging] prometheus;
+the URL is in ``relax status`` and ``control.json``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from relax.bus import BusService
 from relax.config import ClusterConfig
 from relax.control import ControlServer
 from relax.errors import ConfigError
+from relax.log import LOGS_DIR, configure_logging, get_logger, log_files
+from relax.observe import check_sinks, serve_metrics
 from relax.roles import (
     CriticRole,
     DatasetRole,
@@ -55,7 +61,11 @@ class Layout:
 
 
 def prepare(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Layout:
-    """Create the run folder, build or check the model, and pick the bus addresses."""
+    """Create the run folder, build or check the model, and pick the bus addresses.
+
+    Raises ``ConfigError`` first if a metrics sink ``[logging]`` enables lacks its package.
+    """
+    check_sinks(cfg.logging)
     root = (
         Path(run_dir)
         if run_dir
@@ -96,12 +106,20 @@ def _tcp_url(cfg: ClusterConfig) -> str:
     return f"tcp://{cfg.cluster.host}:{port}"
 
 
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+"""Read by torch (and the BLAS it uses) when it starts: a child's thread budget."""
+
+
 def _placement(role: Any) -> Placement:
     if role.placement == "inproc":
         return InProc()
     if role.placement == "process":
+        threads = getattr(role, "threads", None)
+        env = {} if threads is None else {v: str(threads) for v in _THREAD_VARS}
         return Process(
-            heartbeat_interval=role.heartbeat_interval, heartbeat_timeout=role.heartbeat_timeout
+            heartbeat_interval=role.heartbeat_interval,
+            heartbeat_timeout=role.heartbeat_timeout,
+            env=env,
         )
     raise ConfigError(
         f"placement {role.placement!r} is not available yet; use 'inproc' or 'process'"
@@ -229,11 +247,38 @@ def control_server(cfg: ClusterConfig, layout: Layout, tree: Supervisor) -> Cont
 async def run(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Layout:
     """Run a whole cluster until the trainer finishes, a ``stop`` arrives on the control
     endpoint (``relax down``), or the tree gives up (which raises)."""
+    configure_logging()  # no-op when the application configured it already
     layout = prepare(cfg, run_dir)
+    # Log files for this run: every actor of this task and every child process started
+    # meanwhile (they inherit RELAX_LOG_DIR) writes RUN_DIR/logs/<actor>.jsonl.
+    logs = layout.run_dir / LOGS_DIR if cfg.logging.log_files else None
+    with log_files(logs):
+        await _serve(cfg, layout)
+    return layout
+
+
+async def _serve(cfg: ClusterConfig, layout: Layout) -> None:
     tree = build_tree(cfg, layout)
-    # The endpoint outlives the tree: status stays readable while it stops, and the reply to
-    # a stop request goes out before the endpoint closes.
-    async with control_server(cfg, layout, tree).serving() as control, tree:
+    control = control_server(cfg, layout, tree)
+    # The endpoints outlive the tree: status and metrics stay readable while it stops, and
+    # the reply to a stop request goes out before the control endpoint closes.
+    async with contextlib.AsyncExitStack() as stack:
+        if cfg.logging.prometheus:
+            port = cfg.cluster.ports.metrics
+            try:
+                metrics = await stack.enter_async_context(
+                    serve_metrics(lambda: control.status(history=1), port=port)
+                )
+            except OSError as exc:
+                raise ConfigError(
+                    f"cluster.ports.metrics: cannot serve Prometheus metrics on 127.0.0.1:{port} "
+                    f"({exc.strerror or exc}); pick another port, 0 for a free one, or set "
+                    "logging.prometheus = false"
+                ) from None
+            control.metrics_url = metrics.url
+            get_logger().info("prometheus metrics", url=metrics.url)
+        await stack.enter_async_context(control.serving())
+        await stack.enter_async_context(tree)
         finished = asyncio.create_task(tree.wait())
         stop = asyncio.create_task(control.stop_requested.wait())
         await asyncio.wait({finished, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -244,4 +289,3 @@ async def run(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Layout:
             finished.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await finished
-    return layout

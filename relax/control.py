@@ -6,7 +6,8 @@ A cluster serves one small RPC endpoint next to its buses and writes where it is
 someone who can read the run folder can steer the run). Requests are plain dicts:
 
 - ``{"op": "status"}`` → the supervisor tree snapshot, both buses' statistics, the trainer's
-  version and its most recent ``metrics.jsonl`` records;
+  version and its most recent ``metrics.jsonl`` records (and ``metrics_url``, the Prometheus
+  endpoint that serves the same numbers, when ``[logging] prometheus`` is on);
 - ``{"op": "restart", "child": ID}`` → restart one child in place;
 - ``{"op": "pause"}`` / ``{"op": "resume"}`` → stop / restart generation (every rollout);
 - ``{"op": "stop"}`` → stop the tree in reverse start order (the trainer checkpoints first).
@@ -62,6 +63,8 @@ class ControlServer:
         self._buses: dict[str, BusClient] = {}
         self._started = time.time()
         self.url = ""
+        self.metrics_url: str | None = None
+        """The Prometheus endpoint of this cluster, if it serves one (set before ``serving``)."""
 
     async def _bus(self, name: str) -> BusClient:
         if name not in self._buses:
@@ -89,6 +92,7 @@ class ControlServer:
             "started_at": self._started,
             "uptime_s": round(time.time() - self._started, 3),
             "paused": self.paused,
+            "metrics_url": self.metrics_url,
             "tree": await self.tree.snapshot(),
             "bus": buses,
             "trainer": {
@@ -136,6 +140,8 @@ class ControlServer:
             "cluster": self.name,
             "started_at": self._started,
         }
+        if self.metrics_url:
+            info["metrics_url"] = self.metrics_url
         path = self.run_dir / CONTROL_FILE
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -153,16 +159,36 @@ class ControlServer:
 
 
 def read_metrics(run_dir: Path, *, last: int | None = None) -> list[dict[str, Any]]:
-    """The run's ``metrics.jsonl`` records (the ``last`` ones), skipping a torn final line."""
+    """The run's ``metrics.jsonl`` records (the ``last`` ones), skipping a torn final line.
+
+    With ``last``, only the end of the file is read: cheap enough for every status request and
+    Prometheus scrape of a long run.
+    """
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    lines = path.read_text().splitlines()
+    lines = _tail_lines(path, last) if last else path.read_text().splitlines()
     records = []
-    for line in lines[-last:] if last else lines:
+    for line in lines:
         with contextlib.suppress(json.JSONDecodeError):
             records.append(json.loads(line))
     return records
+
+
+def _tail_lines(path: Path, count: int, block: int = 1 << 16) -> list[str]:
+    """The last ``count`` lines of ``path`` (a torn final line counts as one), read from the end."""
+    with path.open("rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        start, data = end, b""
+        while start > 0 and data.count(b"\n") <= count:
+            step = min(block, start)
+            start -= step
+            f.seek(start)
+            data = f.read(step) + data
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    if start > 0:
+        lines = lines[1:]  # begins mid-line
+    return lines[-count:]
 
 
 async def connect_control(run_dir: str | Path, *, timeout: float = 5.0) -> Client:

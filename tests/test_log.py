@@ -1,4 +1,5 @@
-"""Structured logging: JSON off a terminal, every line tagged with pid and actor id."""
+"""Structured logging: JSON off a terminal, every line tagged with pid and actor id; inside a
+run, one JSON file per actor in ``RUN_DIR/logs/``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ import pytest
 import structlog
 
 from relax.actors import Actor, ChildSpec, Process, Supervisor
-from relax.log import ENV_FORMAT, ENV_LEVEL, configure_logging
+from relax.log import (
+    ENV_FORMAT,
+    ENV_LEVEL,
+    ENV_LOG_DIR,
+    configure_logging,
+    get_logger,
+    log_file,
+    log_files,
+)
 
 
 class Chatty(Actor):
@@ -88,3 +97,60 @@ async def test_child_process_logs_json_with_its_own_pid(tmp_path, captured) -> N
             os.close(os_err)
     said = [json.loads(x) for x in log_file.read_text().splitlines() if '"said"' in x]
     assert said and said[0]["actor"] == "far" and said[0]["pid"] == pid != os.getpid()
+
+
+def file_lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_log_file_names() -> None:
+    assert log_file("/r/logs", "reward-0").as_posix() == "/r/logs/reward-0.jsonl"
+    assert log_file("/r/logs", None).name == "cluster.jsonl"
+    assert log_file("/r/logs", "sub/worker 1").name == "sub_worker_1.jsonl"
+    assert log_file("/r/logs", "..").name == "__.jsonl"
+
+
+@pytest.mark.anyio
+async def test_log_files_hold_one_json_file_per_actor(tmp_path, captured, monkeypatch) -> None:
+    monkeypatch.delenv(ENV_LOG_DIR, raising=False)
+    logs = tmp_path / "logs"
+    with log_files(logs):
+        assert os.environ[ENV_LOG_DIR] == str(logs.resolve())
+        get_logger().info("outside any actor", n=1)
+        async with Supervisor([ChildSpec("chatty", Chatty)], name="tree") as sup:
+            await sup.ref("chatty").call("say", "hello")
+    assert ENV_LOG_DIR not in os.environ  # restored
+    get_logger().warning("after the run")  # no longer written to the files
+    assert sorted(p.name for p in logs.iterdir()) == ["chatty.jsonl", "cluster.jsonl", "tree.jsonl"]
+    (said,) = [e for e in file_lines(logs / "chatty.jsonl") if e["event"] == "said"]
+    assert said["actor"] == "chatty" and said["pid"] == os.getpid() and said["word"] == "hello"
+    assert said["level"] == "warning" and said["timestamp"].endswith("Z")
+    assert all(e["actor"] == "chatty" for e in file_lines(logs / "chatty.jsonl"))
+    assert any(e["event"] == "child started" for e in file_lines(logs / "tree.jsonl"))
+    outside = file_lines(logs / "cluster.jsonl")
+    assert [e["event"] for e in outside] == ["outside any actor"]
+    assert "actor" not in outside[0] and outside[0]["pid"] == os.getpid()
+    # The console (here: the captured stream) still gets every line.
+    assert {"said", "outside any actor", "after the run"} <= {e["event"] for e in lines(captured)}
+
+
+def test_log_files_restore_the_environment(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(ENV_LOG_DIR, "/somewhere/else")
+    with log_files(tmp_path / "a"):
+        assert os.environ[ENV_LOG_DIR] == str((tmp_path / "a").resolve())
+        with log_files(None):  # turned off for a nested run
+            assert ENV_LOG_DIR not in os.environ
+        assert os.environ[ENV_LOG_DIR] == str((tmp_path / "a").resolve())
+    assert os.environ[ENV_LOG_DIR] == "/somewhere/else"
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_child_process_actor_writes_its_own_log_file(tmp_path, captured) -> None:
+    logs = tmp_path / "logs"
+    with log_files(logs):
+        async with Supervisor([ChildSpec("far", Chatty, placement=Process())]) as sup:
+            pid = await sup.ref("far").call("say", "hi")
+    said = [e for e in file_lines(logs / "far.jsonl") if e["event"] == "said"]
+    assert said and said[0]["actor"] == "far" and said[0]["pid"] == pid != os.getpid()
+    assert said[0]["level"] == "warning" and said[0]["word"] == "hi" and "timestamp" in said[0]

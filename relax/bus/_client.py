@@ -118,6 +118,13 @@ class BusClient:
         """Write columns of an existing row (each column once)."""
         await self._call({"op": "columns", "uid": uid, "columns": columns})
 
+    async def add_columns_many(self, items: list[tuple[str, dict[str, Any]]]) -> list[str | None]:
+        """``add_columns`` for many rows in one request (a role scoring a batch pays one round
+        trip, not one per row). Returns, per item, None or why that row's write was refused."""
+        if not items:
+            return []
+        return await self._call({"op": "columns_many", "items": [[u, c] for u, c in items]})
+
     # ------------------------------------------------------------------ consumers
 
     async def take_batch(

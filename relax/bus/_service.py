@@ -184,6 +184,20 @@ class BusService(Actor):
     async def _op_columns(self, req: dict[str, Any], peer: Peer) -> None:
         await self._commit(self.table.add_columns(req["uid"], req["columns"]))
 
+    async def _op_columns_many(self, req: dict[str, Any], peer: Peer) -> list[str | None]:
+        """Many rows' columns in one request and one log record; per row, None or the error
+        (a missing row, a conflicting write) — the rows that worked are kept either way."""
+        ops: list[Op] = []
+        errors: list[str | None] = []
+        for uid, columns in req["items"]:
+            try:
+                ops += self.table.add_columns(uid, columns)
+                errors.append(None)
+            except BusError as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+        await self._commit(ops)
+        return errors
+
     async def _op_take(self, req: dict[str, Any], peer: Peer) -> dict[str, Any] | None:
         columns = tuple(req.get("columns") or ())
         dropped: list[Op] = []

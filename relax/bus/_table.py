@@ -340,8 +340,15 @@ class BusTable:
             in_play = self.trained + len(self.rows) + self.admitted_rows()
             # Batches consumed so far = versions + skipped steps; a row admitted now will be
             # consumed within `staleness` of them.
-            slots = version + self.counters["skipped_steps"] + self.staleness + 1
-            if in_play + rows > slots * self.batch_size:
+            skipped = self.counters["skipped_steps"]
+            if in_play + rows > (version + skipped + self.staleness + 1) * self.batch_size:
+                if (
+                    in_play + rows
+                    <= (self.version + skipped + self.staleness + 1) * self.batch_size
+                ):
+                    # Newer weights than the producer's would be admitted now: have it sync,
+                    # rather than wait for a trainer that has already moved on.
+                    return [], "behind"
                 return [], "ahead"
         op = {
             "op": "admit",

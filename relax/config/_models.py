@@ -391,7 +391,7 @@ class WandbConfig(ConfigModel):
     """``[logging.wandb]``: optional Weights & Biases logging."""
 
     enabled: bool = False
-    """Send metrics to Weights & Biases (needs the `wandb` package and a login)."""
+    """Send the trainer's metrics to Weights & Biases (needs the `wandb` package, and a login unless `WANDB_MODE=offline`; local files go to `wandb/` in the run folder)."""
     project: str | None = None
     """W&B project name; required when enabled."""
     entity: str | None = None
@@ -412,8 +412,12 @@ class LoggingConfig(ConfigModel):
     format: Literal["auto", "console", "json"] = "auto"
     """Log format: "console" (readable), "json" (one object per line), or "auto" (console on a terminal, JSON otherwise)."""
     jsonl: bool = True
-    """Write metrics to a JSON Lines file in the run folder."""
+    """Write the trainer's metrics, one JSON object per step, to `metrics.jsonl` in the run folder (`relax status`, the TUI and the Prometheus trainer gauges read it)."""
     tensorboard: bool = False
-    """Write metrics for TensorBoard in the run folder (needs the `tensorboard` package)."""
+    """Write the trainer's metrics for TensorBoard to `tensorboard/` in the run folder, one scalar per numeric metric per step (needs the `tensorboard` package: `pip install relax-rl[tensorboard]`)."""
+    log_files: bool = True
+    """Also write every log line, as JSON, to one file per actor in the run folder: `logs/<actor-id>.jsonl` (lines outside any actor: `logs/cluster.jsonl`), from every process; `relax logs` reads them."""
+    prometheus: bool = True
+    """Serve Prometheus metrics (trainer metrics, actor states and restarts, bus gauges and counters) at `http://127.0.0.1:PORT/metrics` from the cluster's main process; PORT is `cluster.ports.metrics` (0 picks a free one) and `relax status` shows the URL."""
     wandb: WandbConfig = WandbConfig()
     """Weights & Biases settings."""

@@ -61,6 +61,8 @@ class ChildConfig(ConfigModel):
     """Seconds without a heartbeat after which it is declared dead; must exceed `heartbeat_interval`."""
     gang: PositiveInt = 1
     """Number of processes that start, stop and restart together (e.g. trainer ranks); above 1 needs placement "process" or "ray"."""
+    threads: PositiveInt | None = None
+    """CPU threads torch may use in this child's process(es) (sets OMP_NUM_THREADS and MKL_NUM_THREADS); needs placement "process" or "ray". Unset leaves the library default (all cores): give roles that overlap their share of the cores instead."""
 
     @model_validator(mode="after")
     def _child_checks(self) -> ChildConfig:
@@ -78,6 +80,12 @@ class ChildConfig(ConfigModel):
                 f"must be greater than heartbeat_interval ({self.heartbeat_interval:g} s),"
                 f" got {self.heartbeat_timeout:g} s{default}",
                 "a few missed heartbeats should be tolerated: use at least 3 times the interval",
+            )
+        if self.threads is not None and self.placement == "inproc":
+            problems.add(
+                "threads",
+                'a thread budget needs the child in its own process: placement "process" or "ray",'
+                ' but placement is "inproc"',
             )
         if self.gang > 1 and self.placement == "inproc":
             problems.add(

@@ -8,6 +8,7 @@ from typing import Any
 
 from relax.bus import BusClient
 from relax.config import ClusterConfig
+from relax.errors import BusError
 
 
 def cluster_config(config: dict[str, Any]) -> ClusterConfig:
@@ -39,3 +40,19 @@ def prompt_seed(seed: int | None, uid: str) -> int | None:
         return None
     digest = hashlib.blake2b(f"{seed}:{uid}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
+
+
+async def write_once(bus: BusClient, items: list[tuple[str, dict[str, Any]]]) -> int:
+    """Write many rows' columns in one request, treating "already written" as done; returns
+    how many were already written.
+
+    A role restarted with rows still leased retakes them once their lease expires; what its
+    earlier incarnation wrote stands (columns are write-once), even if a recompute would
+    differ in the last bit. Any other refusal (a row gone from the bus) is an error.
+    """
+    errors = await bus.add_columns_many(items)
+    already = [e for e in errors if e is not None and e.startswith("ColumnConflict")]
+    other = [e for e in errors if e is not None and not e.startswith("ColumnConflict")]
+    if other:
+        raise BusError(f"{len(other)} column writes refused, e.g. {other[0]}")
+    return len(already)

@@ -29,8 +29,7 @@ from typing import Any
 from relax.actors import Actor
 from relax.config import ClusterConfig
 from relax.engines import load_tokenizer
-from relax.roles._common import as_list, cluster_config, connect_bus
-from relax.roles._reference import write_column
+from relax.roles._common import as_list, cluster_config, connect_bus, write_once
 from relax.training._value import CriticTrainer, ValueModel
 
 VALUE_CLIP = 0.5
@@ -128,9 +127,13 @@ class CriticRole(Actor):
                     started = time.monotonic()
                     rows = [_critic_row(r, columns) for r in batch.rows]
                     values = await asyncio.to_thread(critic.values, rows)
-                    for row, vals in zip(batch.rows, values, strict=True):
-                        if not await write_column(bus, row["uid"], {"values": vals}):
-                            self.already_written += 1
+                    self.already_written += await write_once(
+                        bus,
+                        [
+                            (row["uid"], {"values": vals})
+                            for row, vals in zip(batch.rows, values, strict=True)
+                        ],
+                    )
                     applied, metrics = await asyncio.to_thread(critic.train, rows, values)
                     self._record(
                         {"applied": applied, "wall_s": time.monotonic() - started, **metrics}

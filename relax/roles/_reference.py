@@ -22,10 +22,8 @@ from typing import Any
 import torch
 
 from relax.actors import Actor
-from relax.bus import BusClient, ColumnConflict
 from relax.engines import load_policy
-from relax.errors import RemoteError
-from relax.roles._common import as_list, cluster_config, connect_bus
+from relax.roles._common import as_list, cluster_config, connect_bus, write_once
 from relax.training import Row, pack_batch, response_values, sequence_logprobs
 
 TAKE_ROWS = 64
@@ -70,24 +68,6 @@ def reference_logprobs(
         for i, values in zip(chunk, response_values(packed, logprobs.float().cpu()), strict=True):
             out[i] = values
     return out
-
-
-async def write_column(bus: BusClient, uid: str, columns: dict[str, Any]) -> bool:
-    """``add_columns``, treating "already written" as done; returns False in that case.
-
-    A role restarted with rows still leased retakes them once their lease expires; what its
-    earlier incarnation wrote stands (columns are write-once), even if a recompute would
-    differ in the last bit.
-    """
-    try:
-        await bus.add_columns(uid, columns)
-    except ColumnConflict:
-        return False
-    except RemoteError as exc:
-        if exc.remote_type != "ColumnConflict":
-            raise
-        return False
-    return True
 
 
 class ReferenceRole(Actor):
@@ -156,9 +136,13 @@ class ReferenceRole(Actor):
                     ]
                     # Off the event loop: heartbeats must keep flowing during the forward.
                     scored = await asyncio.to_thread(self._score, rows)
-                    for row, logprobs in zip(batch.rows, scored, strict=True):
-                        if not await write_column(bus, row["uid"], {"ref_logprobs": logprobs}):
-                            self.already_written += 1
+                    self.already_written += await write_once(
+                        bus,
+                        [
+                            (row["uid"], {"ref_logprobs": logprobs})
+                            for row, logprobs in zip(batch.rows, scored, strict=True)
+                        ],
+                    )
                     self.scored += len(rows)
                     self.batches += 1
                     self.busy_s += time.monotonic() - started

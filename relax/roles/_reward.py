@@ -3,6 +3,7 @@ group, and never trained on."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from relax.actors import Actor
@@ -44,22 +45,34 @@ class RewardRole(Actor):
                 async with bus.take(
                     "reward", batch_size=64, columns=["response_ids", "answer"], wait=1.0
                 ) as batch:
-                    for row in batch.rows:
-                        result = await score_sample(
-                            self.rewards,
-                            self.tokenizer,
-                            as_list(row["columns"]["response_ids"]),
-                            row["columns"]["answer"],
-                        )
-                        if result.ok:
-                            await bus.add_columns(row["uid"], {"reward": float(result.reward)})
-                        else:
-                            self.failed += 1
-                            self.log.warning(
-                                "reward failed; the sample's group is dropped",
-                                uid=row["uid"],
-                                group=row["group"],
-                                reason=result.reason,
-                                failures=result.failures,
+                    # The batch is scored concurrently (slow verifiers overlap) and written back
+                    # in one request.
+                    results = await asyncio.gather(
+                        *(
+                            score_sample(
+                                self.rewards,
+                                self.tokenizer,
+                                as_list(row["columns"]["response_ids"]),
+                                row["columns"]["answer"],
                             )
-                            batch.drop([row["uid"]], "reward_failed")
+                            for row in batch.rows
+                        )
+                    )
+                    scored = []
+                    for row, result in zip(batch.rows, results, strict=True):
+                        if result.ok:
+                            scored.append((row["uid"], {"reward": float(result.reward)}))
+                            continue
+                        self.failed += 1
+                        self.log.warning(
+                            "reward failed; the sample's group is dropped",
+                            uid=row["uid"],
+                            group=row["group"],
+                            reason=result.reason,
+                            failures=result.failures,
+                        )
+                        batch.drop([row["uid"]], "reward_failed")
+                    refused = await bus.add_columns_many(scored)
+                    for (uid, _), error in zip(scored, refused, strict=True):
+                        if error is not None:  # e.g. its group was dropped meanwhile
+                            self.log.info("reward not written", uid=uid, error=error)

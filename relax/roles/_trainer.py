@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import shutil
 import threading
@@ -29,6 +30,7 @@ from typing import Any
 from relax.actors import Actor
 from relax.config import ClusterConfig
 from relax.engines import load_policy
+from relax.observe import MetricsFanout, build_sinks
 from relax.roles._common import as_list, cluster_config, connect_bus
 from relax.training import make_backend
 from relax.transport import dumps, loads
@@ -77,8 +79,10 @@ class TrainerRole(Actor):
         self.run_dir = Path(run_dir)
         self.metrics_file = self.run_dir / "metrics.jsonl"
         self.history: list[dict[str, Any]] = []
+        self._sinks: MetricsFanout | None = None  # [logging]'s sinks, built at the first record
         self._lock = threading.Lock()  # one backend operation at a time, across threads
         self._published = -1  # the newest version the bus holds (rank 0)
+        self._holding_rows = False  # a batch is taken and not yet published/acked
 
     async def on_start(self) -> None:
         ctx = self.context
@@ -124,6 +128,7 @@ class TrainerRole(Actor):
             # Stopped on request (relax down, Ctrl-C): keep what was trained.
             await asyncio.to_thread(self._final_checkpoint)
         self._close_executor()
+        await asyncio.to_thread(self._close_sinks)  # W&B's finish may wait on the network
 
     def _final_checkpoint(self) -> None:
         with self._lock:  # after a step still running in its thread
@@ -139,6 +144,7 @@ class TrainerRole(Actor):
 
     async def on_failure(self, exc: BaseException) -> None:
         self._close_executor()
+        await asyncio.to_thread(self._close_sinks)
 
     def _close_executor(self) -> None:
         executor = getattr(self, "_executor", None)
@@ -197,49 +203,96 @@ class TrainerRole(Actor):
             elif published < self.backend.version:  # a resumed run: the rollouts catch up first
                 await bus.publish_weights(self.backend.version, await self._together("publish"))
             self._published = self.backend.version
+            self._forget_unpublished_steps()
             while self.backend.version < cfg.trainer.steps:
-                started = time.monotonic()
-                async with bus.take(
-                    "train",
-                    batch_size=size,
-                    min_rows=size,
-                    whole_groups=True,
-                    columns=list(columns),
-                    wait=5.0,
-                ) as batch:
-                    if not batch.rows:
-                        continue
-                    # A fixed order (group, then uid) makes a step independent of the order
-                    # rows reached the bus: the same samples always give the same update.
-                    ordered = sorted(batch.rows, key=lambda r: (r["group"], r["uid"]))
-                    rows = [train_row(r, columns) for r in ordered]
-                    versions = [r["version"] for r in batch.rows]
-                    # Off the event loop: heartbeats must keep flowing during a long step.
-                    result = await self._together(
-                        "step", rows=[r for r in rows if r["response_ids"]]
-                    )
-                    record = {
-                        "step": self.backend.version,
-                        "applied": result.applied,
-                        "skipped_reason": result.skipped_reason,
-                        "trainer_version_at_take": batch.trainer_version,
-                        "oldest_row_version": min(versions),
-                        "newest_row_version": max(versions),
-                        "wall_s": time.monotonic() - started,
-                        **result.metrics,
-                    }
-                    self._record(record)
-                    batch.skipped_step = not result.applied
-                    if result.applied:
-                        weights = await self._together("publish")
-                        await bus.publish_weights(self.backend.version, weights, ack=batch)
-                        self._published = self.backend.version
-                        every = cfg.checkpoint.every_steps
-                        if every and self.backend.version % every == 0:
-                            await self._together("checkpoint")
+                self._holding_rows = False
+                once = asyncio.ensure_future(self._train_once(bus, size, columns))
+                try:
+                    await asyncio.shield(once)
+                except asyncio.CancelledError:
+                    # Stopping. Rows already taken are trained, published and acked first, so
+                    # the stop's checkpoint holds them; a wait for rows is simply abandoned.
+                    if self._holding_rows:
+                        with contextlib.suppress(Exception):
+                            await once
+                    else:
+                        once.cancel()
+                    raise
             latest = self._latest_checkpoint()
             if latest is None or latest.name != _checkpoint_name(self.backend.version):
                 await self._together("checkpoint")  # the end of training is always saved
+
+    async def _train_once(self, bus: Any, size: int, columns: tuple[str, ...]) -> None:
+        """Take one batch, step, record; publish (acking the batch with the commit) or, for a
+        skipped step, ack it flagged as skipped; checkpoint when due."""
+        cfg = self.cfg
+        started = time.monotonic()
+        async with bus.take(
+            "train",
+            batch_size=size,
+            min_rows=size,
+            whole_groups=True,
+            columns=list(columns),
+            wait=5.0,
+        ) as batch:
+            if not batch.rows:
+                return
+            self._holding_rows = True
+            # A fixed order (group, then uid) makes a step independent of the order
+            # rows reached the bus: the same samples always give the same update.
+            ordered = sorted(batch.rows, key=lambda r: (r["group"], r["uid"]))
+            rows = [train_row(r, columns) for r in ordered]
+            versions = [r["version"] for r in batch.rows]
+            # Off the event loop: heartbeats must keep flowing during a long step.
+            result = await self._together("step", rows=[r for r in rows if r["response_ids"]])
+            record = {
+                "step": self.backend.version,
+                "applied": result.applied,
+                "skipped_reason": result.skipped_reason,
+                "trainer_version_at_take": batch.trainer_version,
+                "oldest_row_version": min(versions),
+                "newest_row_version": max(versions),
+                "wall_s": time.monotonic() - started,
+                "time": time.time(),  # when the step ended (Unix seconds), for rates and plots
+                **result.metrics,
+            }
+            self._record(record)
+            batch.skipped_step = not result.applied
+            if not result.applied:
+                self.log.warning(
+                    "training step skipped: nothing published, rows consumed",
+                    version=self.backend.version,
+                    reason=result.skipped_reason,
+                )
+            if result.applied:
+                weights = await self._together("publish")
+                await bus.publish_weights(self.backend.version, weights, ack=batch)
+                self._published = self.backend.version
+                every = cfg.checkpoint.every_steps
+                if every and self.backend.version % every == 0:
+                    await self._together("checkpoint")
+
+    def _forget_unpublished_steps(self) -> None:
+        """Drop records of applied steps above the published version: a trainer killed between
+        recording a step and publishing it left a record of an update that never happened (its
+        rows went back to the bus and are trained again)."""
+        if not self.metrics_file.exists():
+            return
+        lines = self.metrics_file.read_text().splitlines()
+        keep = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by the kill
+            if not (record.get("applied") and record.get("step", 0) > self._published):
+                keep.append(line)
+        if len(keep) != len(lines):
+            tmp = self.metrics_file.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            tmp.replace(self.metrics_file)
+            self.log.warning("dropped records of unpublished steps", dropped=len(lines) - len(keep))
+            self.history = [r for r in self.history if r.get("step", 0) <= self._published]
 
     # ------------------------------------------------------------------ gang operations
 
@@ -289,15 +342,34 @@ class TrainerRole(Actor):
         raise ValueError(f"unknown trainer operation {op!r}")
 
     def _record(self, record: dict[str, Any]) -> None:
+        """Keep ``record`` and send it to the sinks ``[logging]`` configures (``metrics.jsonl``,
+        TensorBoard, W&B). A sink that fails is logged and never stops training."""
         self.history.append(record)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with self.metrics_file.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self._sinks is None:
+            self._sinks = MetricsFanout(
+                build_sinks(
+                    self.cfg.logging,
+                    self.run_dir,
+                    config=self.cfg.model_dump(mode="json"),
+                    on_error=lambda name, exc: self.log.warning(
+                        "metrics sink unavailable; training goes on without it",
+                        sink=name,
+                        error=f"{type(exc).__name__}: {exc}",
+                    ),
+                ),
+                self.log,
+            )
+        self._sinks.write(record)
         self.log.info(
             "step",
             **{k: record[k] for k in ("step", "applied") if k in record},
             reward=record.get("reward_mean"),
         )
+
+    def _close_sinks(self) -> None:
+        sinks, self._sinks = self._sinks, None
+        if sinks is not None:
+            sinks.close()
 
     def _checkpoint(self) -> None:
         target = self._checkpoints() / _checkpoint_name(self.backend.version)

@@ -213,6 +213,28 @@ def deepspeed_config(cfg: TrainerConfig, world_size: int, mode: str) -> dict[str
 # --------------------------------------------------------------------------- the backend
 
 
+def _no_cpu_kernels() -> None:
+    """On CPU, tell DeepSpeed none of its C++ ops are available before it probes them.
+
+    We need none (torch's AdamW, gloo all-reduces), but DeepSpeed's CPU comm backend would
+    JIT-compile its shared-memory all-reduce kernel on first use — about a minute on 2 cores,
+    serialised across processes by a file lock — and probing every op runs compilers too.
+    DeepSpeed keeps this dict in ``deepspeed.ops`` precisely so callers can edit it.
+    """
+    import deepspeed.ops
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    probed = vars(deepspeed.ops).get("__compatible_ops__")
+    if probed is None:
+        from deepspeed.ops.op_builder.all_ops import ALL_OPS
+
+        deepspeed.ops.__compatible_ops__ = dict.fromkeys(ALL_OPS, False)
+    else:
+        probed.update(dict.fromkeys(probed, False))
+
+
 class DeepSpeedBackend(SafeStepBackend):
     """Trains a Hugging Face causal LM with a DeepSpeed ZeRO engine, on one rank or many.
 
@@ -244,6 +266,7 @@ class DeepSpeedBackend(SafeStepBackend):
             ) from exc
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        _no_cpu_kernels()
         self.rank, self.world_size = init_world(rank, world_size)
         self.trainer_config = trainer_config
         self.algorithm_config = algorithm_config

@@ -156,3 +156,10 @@ def test_relax_up_resume_continues_the_newest_run(tmp_path) -> None:
         "step-00000003",
         "step-00000004",
     ]
+
+
+def test_a_thread_budget_reaches_the_child_process_env() -> None:
+    cfg = config("1", placement='placement = "process"\nthreads = 1')
+    placement = cluster._placement(cfg.rollout)
+    assert placement.env == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    assert cluster._placement(config("1", placement='placement = "process"').rollout).env == {}
