@@ -12,32 +12,12 @@ from relax import cluster
 from relax.config import parse_config
 from relax.control import CONTROL_FILE, ClusterNotRunning, control_request, read_metrics
 from tests.actors.helpers import find, wait_until
+from tests.tiny import tiny_toml
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
-TOML = """
-staleness = 1
-[cluster]
-name = "ctl"
-[model.init]
-hidden_size = 32
-num_layers = 1
-num_heads = 2
-num_kv_heads = 1
-intermediate_size = 64
-vocab_size = 261
-[data]
-n_samples_per_prompt = 4
-[rollout]
-max_new_tokens = 4
-batch_size = 2
-[bus]
-lease_timeout = 5   # a lease granted to the reward role just as it was restarted comes back soon
-[trainer]
-steps = 100000
-global_batch_size = 8
-micro_batch_size = 8
-"""
+# A lease granted to the reward role just as it was restarted comes back soon.
+TOML = tiny_toml("ctl", lease_timeout=5)
 
 
 async def test_status_restart_pause_and_stop(tmp_path: Path) -> None:

@@ -26,34 +26,15 @@ from relax.cli._tui import StatusApp
 from relax.config import parse_config
 from relax.control import CONTROL_FILE, control_request
 from tests.actors.helpers import find, wait_until
+from tests.tiny import tiny_toml
 
 pytestmark = pytest.mark.anyio
 
-TOML = """
-staleness = 1
-[cluster]
-name = "st"
-[model.init]
-hidden_size = 32
-num_layers = 1
-num_heads = 2
-num_kv_heads = 1
-intermediate_size = 64
-vocab_size = 261
-[data]
-n_samples_per_prompt = 4
-[rollout]
-max_new_tokens = 4
-batch_size = 2
-[reward]
-placement = "process"   # a real process to SIGKILL
-[bus]
-lease_timeout = 5       # a lease held by the killed reward process comes back soon
-[trainer]
-steps = 100000
-global_batch_size = 8
-micro_batch_size = 8
-"""
+TOML = tiny_toml(
+    "st",
+    reward='placement = "process"',  # a real process to SIGKILL
+    lease_timeout=5,  # a lease held by the killed reward process comes back soon
+)
 
 ROLES = {"prompts", "samples", "dataset", "reward-0", "trainer", "rollout-0"}
 NO_PID = 2**22 + 1

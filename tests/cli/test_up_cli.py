@@ -29,47 +29,9 @@ from relax.cli._up_run_folder import resume_hint
 from relax.cli._up_signals import SignalRouting
 from relax.cli._up_stderr import StderrPump
 from relax.config import parse_config
+from tests.tiny import MODEL_INIT, tiny_toml
 
 REPO = Path(__file__).resolve().parents[2]
-
-TINY = """
-staleness = 1
-
-[cluster]
-name = "cli"
-run_dir = "{runs}"
-
-{model}
-
-[data]
-n_samples_per_prompt = 4
-{data}
-
-[rollout]
-max_new_tokens = 4
-batch_size = 2
-{rollout}
-
-[trainer]
-steps = {steps}
-global_batch_size = 8
-micro_batch_size = 8
-lr = 1e-3
-
-[checkpoint]
-every_steps = {every}
-"""
-
-
-MODEL = """
-[model.init]
-hidden_size = 32
-num_layers = 1
-num_heads = 2
-num_kv_heads = 1
-intermediate_size = 64
-vocab_size = 261
-"""
 
 
 def write_config(
@@ -79,11 +41,18 @@ def write_config(
     data: str = "",
     rollout: str = "",
     every: int = 0,
-    model: str = MODEL,
+    model: str = MODEL_INIT,
 ) -> Path:
     path = tmp_path / "cluster.toml"
-    text = TINY.format(
-        runs=tmp_path / "runs", steps=steps, data=data, rollout=rollout, every=every, model=model
+    text = tiny_toml(
+        "cli",
+        steps=steps,
+        lr=1e-3,
+        model=model,
+        cluster=f'run_dir = "{tmp_path / "runs"}"',
+        data=data,
+        rollout=rollout,
+        extra=f"[checkpoint]\nevery_steps = {every}",
     )
     path.write_text(text)
     return path

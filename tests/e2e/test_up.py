@@ -12,45 +12,28 @@ import pytest
 from relax import cluster
 from relax.config import parse_config
 from tests.actors.helpers import wait_until
+from tests.tiny import tiny_toml
 
 pytestmark = pytest.mark.slow
 
-TINY = """
-staleness = {staleness}
 
-[cluster]
-name = "e2e"
-
-[model.init]
-hidden_size = 32
-num_layers = 1
-num_heads = 2
-num_kv_heads = 1
-intermediate_size = 64
-vocab_size = 261
-
-[data]
-n_samples_per_prompt = 4
-
-[rollout]
-max_new_tokens = 6
-batch_size = 2
-{placement}
-
-[reward]
-{placement}
-
-[trainer]
-steps = {steps}
-global_batch_size = 8
-micro_batch_size = 8
-lr = 1e-3
-{placement}
-"""
+def config(staleness: int | str, steps: int = 4, placement: str = ""):
+    return parse_config(config_text(staleness, steps=steps, placement=placement))
 
 
-def config(staleness: str, steps: int = 4, placement: str = ""):
-    return parse_config(TINY.format(staleness=staleness, steps=steps, placement=placement))
+def config_text(staleness: int | str, *, steps: int, placement: str = "", **sections: str) -> str:
+    """The tiny cluster, with ``placement`` lines in its rollout, reward and trainer tables."""
+    return tiny_toml(
+        "e2e",
+        staleness=staleness,
+        steps=steps,
+        max_new_tokens=6,
+        lr=1e-3,
+        rollout=placement,
+        reward=placement,
+        trainer=placement,
+        **sections,
+    )
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -58,7 +41,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("staleness", ["0", "1", '"inf"'])
+@pytest.mark.parametrize("staleness", [0, 1, "inf"])
 async def test_every_staleness_mode_trains_within_its_bound(tmp_path, staleness) -> None:
     cfg = config(staleness)
     layout = await cluster.run(cfg, tmp_path / "run")
@@ -76,7 +59,7 @@ async def test_every_staleness_mode_trains_within_its_bound(tmp_path, staleness)
 
 @pytest.mark.anyio
 async def test_roles_in_their_own_processes(tmp_path) -> None:
-    cfg = config("1", steps=2, placement='placement = "process"')
+    cfg = config(1, steps=2, placement='placement = "process"')
     assert cfg.bus_transport == "ipc"
     layout = await cluster.run(cfg, tmp_path / "run")
     assert [s["step"] for s in metrics(layout.run_dir) if s["applied"]] == [1, 2]
@@ -84,7 +67,7 @@ async def test_roles_in_their_own_processes(tmp_path) -> None:
 
 @pytest.mark.anyio
 async def test_several_rollout_and_reward_replicas_share_the_work(tmp_path) -> None:
-    cfg = config('"inf"', steps=30)
+    cfg = config("inf", steps=30)
     cfg = cfg.model_copy(
         update={
             "rollout": cfg.rollout.model_copy(update={"replicas": 2}),
@@ -105,7 +88,7 @@ async def test_several_rollout_and_reward_replicas_share_the_work(tmp_path) -> N
 
 def test_relax_up_runs_a_config_and_reports(tmp_path) -> None:
     toml = tmp_path / "cluster.toml"
-    toml.write_text(TINY.format(staleness=1, steps=10, placement=""))
+    toml.write_text(config_text(1, steps=10))
     run = [sys.executable, "-m", "relax.cli", "up", str(toml), "--run-dir", str(tmp_path / "run")]
     out = subprocess.run(
         [*run, "--set", "trainer.steps=2"], capture_output=True, text=True, timeout=300
@@ -131,10 +114,12 @@ def test_relax_up_runs_a_config_and_reports(tmp_path) -> None:
 def test_relax_up_resume_continues_the_newest_run(tmp_path) -> None:
     toml = tmp_path / "cluster.toml"
     toml.write_text(
-        TINY.format(staleness=1, steps=2, placement="") + "\n[checkpoint]\nevery_steps = 1\n"
-    )
-    toml.write_text(
-        toml.read_text().replace('name = "e2e"', f'name = "e2e"\nrun_dir = "{tmp_path / "runs"}"')
+        config_text(
+            1,
+            steps=2,
+            cluster=f'run_dir = "{tmp_path / "runs"}"',
+            extra="[checkpoint]\nevery_steps = 1",
+        )
     )
     up = [sys.executable, "-m", "relax.cli", "up", str(toml)]
     nothing = subprocess.run([*up, "--resume"], capture_output=True, text=True, timeout=300)
@@ -159,7 +144,7 @@ def test_relax_up_resume_continues_the_newest_run(tmp_path) -> None:
 
 
 def test_a_thread_budget_reaches_the_child_process_env() -> None:
-    cfg = config("1", placement='placement = "process"\nthreads = 1')
+    cfg = config(1, placement='placement = "process"\nthreads = 1')
     placement = cluster._placement(cfg.rollout)
     assert placement.env == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    assert cluster._placement(config("1", placement='placement = "process"').rollout).env == {}
+    assert cluster._placement(config(1, placement='placement = "process"').rollout).env == {}

@@ -6,35 +6,17 @@ from typing import Any
 
 from relax.cluster import plain_config
 from relax.config import ClusterConfig, parse_config
+from tests.tiny import tiny_toml
 
-TOML = """
-staleness = 1
-[cluster]
-name = "obs"
-[model.init]
-hidden_size = 32
-num_layers = 1
-num_heads = 2
-num_kv_heads = 1
-intermediate_size = 64
-vocab_size = 261
-[data]
-n_samples_per_prompt = 4
-[rollout]
-max_new_tokens = 4
-batch_size = 2
-[bus]
-lease_timeout = 5
-[trainer]
-steps = 100000
-global_batch_size = 8
-micro_batch_size = 8
-"""
+
+def toml(**options: str) -> str:
+    """The tiny test cluster's text; ``options`` go to ``tests.tiny.tiny_toml`` (extra lines)."""
+    return tiny_toml("obs", lease_timeout=5, **options)
 
 
 def config(extra: str = "") -> ClusterConfig:
     """The tiny test cluster, with ``extra`` TOML appended (e.g. a [logging] table)."""
-    return parse_config(TOML + extra)
+    return parse_config(toml(extra=extra))
 
 
 def plain(cfg: ClusterConfig) -> dict[str, Any]:

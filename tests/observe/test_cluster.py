@@ -21,13 +21,14 @@ from relax.control import CONTROL_FILE, control_request
 from relax.errors import ConfigError
 from relax.log import ENV_LOG_DIR
 from tests.actors.helpers import find, wait_until
-from tests.observe.helpers import TOML
+from tests.observe.helpers import toml
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None  # the dev extra has it
-CONFIG = TOML.replace("[trainer]\n", '[trainer]\nplacement = "process"\n') + (
-    f"[logging]\ntensorboard = {str(HAS_TENSORBOARD).lower()}\n"
+CONFIG = toml(
+    trainer='placement = "process"',
+    extra=f"[logging]\ntensorboard = {str(HAS_TENSORBOARD).lower()}",
 )
 
 
@@ -128,7 +129,7 @@ async def test_a_taken_metrics_port_is_a_clear_config_error(tmp_path: Path) -> N
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        cfg = parse_config(TOML.replace("[cluster]\n", f"[cluster]\nports.metrics = {port}\n"))
+        cfg = parse_config(toml(cluster=f"ports.metrics = {port}"))
         with pytest.raises(ConfigError, match=r"cluster\.ports\.metrics: .*127\.0\.0\.1"):
             await cluster.run(cfg, tmp_path / "run")
     assert not (tmp_path / "run" / CONTROL_FILE).exists()

@@ -12,6 +12,7 @@ from relax.bus import BusService
 from relax.cluster import plain_config
 from relax.config import ModelInitConfig, parse_config
 from relax.engines import build_tiny_model
+from tests.tiny import MODEL_INIT
 
 _names = itertools.count()
 
@@ -31,15 +32,8 @@ def tiny_model(tmp_path: Path) -> Path:
 
 def config(extra: str = "") -> dict[str, Any]:
     """A validated cluster config as the plain data roles receive."""
-    text = """
-[model.init]
-hidden_size = 32
-num_layers = 1
-num_heads = 2
-num_kv_heads = 1
-intermediate_size = 64
-vocab_size = 261
-
+    text = f"""
+{MODEL_INIT}
 [data]
 n_samples_per_prompt = 2
 
