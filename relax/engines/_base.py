@@ -120,6 +120,33 @@ def sampling_request(
     return SamplingParams(stop_token_ids=stops, seed=seed, **sampling), seeds
 
 
+def check_prompt(
+    i: int, prompt: Sequence[int], max_new_tokens: int, vocab_size: int, max_len: int | None
+) -> list[int]:
+    """Prompt ``i`` as a list of ids, or ``EngineError`` saying what is wrong with it."""
+    ids = [int(t) for t in prompt]
+    if not ids:
+        raise EngineError(f"prompt {i} is empty; it needs at least one token (e.g. BOS)")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise EngineError(f"prompt {i} has token ids outside [0, {vocab_size}): {bad[:5]}")
+    if max_len is not None and len(ids) + max_new_tokens > max_len:
+        raise EngineError(
+            f"prompt {i} ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the"
+            f" model's {max_len} positions"
+        )
+    return ids
+
+
+def with_rates(stats: dict[str, float | int], version: int) -> dict[str, float | int]:
+    """An engine's counters plus the version served and the generation rate."""
+    out = dict(stats)
+    out["version"] = version
+    seconds = float(out["generate_seconds"])
+    out["tokens_per_second"] = out["generated_tokens"] / seconds if seconds > 0 else 0.0
+    return out
+
+
 class GenerationEngine(abc.ABC):
     """A backend that samples responses and swaps weights between versions.
 

@@ -59,7 +59,9 @@ from relax.engines._base import (
     GenerationEngine,
     SamplingParams,
     StateDict,
+    check_prompt,
     sampling_request,
+    with_rates,
 )
 from relax.engines._models import load_tokenizer
 from relax.errors import ConfigError, ConfigIssue
@@ -293,11 +295,7 @@ class VLLMEngine(GenerationEngine):
         return self._version
 
     def statistics(self) -> dict[str, float | int]:
-        stats = dict(self._stats)
-        stats["version"] = self._version
-        seconds = float(stats["generate_seconds"])
-        stats["tokens_per_second"] = stats["generated_tokens"] / seconds if seconds > 0 else 0.0
-        return stats
+        return with_rates(self._stats, self._version)
 
     async def generate(
         self,
@@ -354,20 +352,7 @@ class VLLMEngine(GenerationEngine):
         return self.llm
 
     def _check_prompt(self, i: int, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise EngineError(f"prompt {i} is empty; it needs at least one token (e.g. BOS)")
-        bad = [t for t in ids if not 0 <= t < self._vocab_size]
-        if bad:
-            raise EngineError(
-                f"prompt {i} has token ids outside [0, {self._vocab_size}): {bad[:5]}"
-            )
-        if len(ids) + max_new_tokens > self._max_len:
-            raise EngineError(
-                f"prompt {i} ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the"
-                f" model's {self._max_len} positions"
-            )
-        return ids
+        return check_prompt(i, prompt, max_new_tokens, self._vocab_size, self._max_len)
 
     def _request_params(self, params: SamplingParams, seed: int | None) -> Any:
         return self._vllm.SamplingParams(
