@@ -68,6 +68,7 @@ async def run_sync(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Lay
                 "trainer_version_at_take": version,
                 "oldest_row_version": version,
                 "newest_row_version": version,
+                "staleness_max": 0,
                 "wall_s": time.monotonic() - started,
                 **result.metrics,
             }

@@ -252,6 +252,8 @@ class TrainerRole(Actor):
                 "trainer_version_at_take": batch.trainer_version,
                 "oldest_row_version": min(versions),
                 "newest_row_version": max(versions),
+                # How far behind the trainer the stalest row of this batch was.
+                "staleness_max": batch.trainer_version - min(versions),
                 "wall_s": time.monotonic() - started,
                 "time": time.time(),  # when the step ended (Unix seconds), for rates and plots
                 **result.metrics,
