@@ -19,7 +19,7 @@ from typing import Any
 
 from relax.cluster import Layout, prepare
 from relax.config import ClusterConfig
-from relax.engines import load_policy, load_tokenizer, open_engine, stop_token_ids
+from relax.engines import load_policy, load_tokenizer, open_engine, pad_token_id, stop_token_ids
 from relax.rewards import RewardSet
 from relax.roles._prompts import prompt_row, prompt_stream
 from relax.roles._reward import score_sample
@@ -40,7 +40,7 @@ async def run_sync(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Lay
         cfg.reward, answer_key="answer", max_response_tokens=cfg.rollout.max_new_tokens
     )
     model, _ = load_policy(layout.model_dir, cfg.trainer.dtype)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer, layout.model_dir)
     backend = make_backend(cfg.trainer, cfg.algorithm, model, pad, cfg.rollout.temperature)
     n = cfg.data.n_samples_per_prompt
     groups_per_step = cfg.trainer.global_batch_size // n

@@ -30,6 +30,7 @@ from relax.engines._models import (
     check_vocab,
     load_policy,
     load_tokenizer,
+    pad_token_id,
     stop_token_ids,
     torch_dtype,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "load_policy",
     "load_tokenizer",
     "open_engine",
+    "pad_token_id",
     "stop_token_ids",
     "torch_dtype",
 ]

@@ -45,7 +45,7 @@ from relax.engines._base import (
     sampling_request,
     with_rates,
 )
-from relax.engines._models import load_policy
+from relax.engines._models import load_policy, pad_token_id
 
 
 class HFEngine(GenerationEngine):
@@ -107,11 +107,7 @@ class HFEngine(GenerationEngine):
     ) -> HFEngine:
         """Load a local HF model folder (see ``load_policy``) and serve it."""
         model, tok = load_policy(path, dtype, tokenizer=tokenizer)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        if pad is None:
-            raise EngineError(
-                f"the tokenizer of {path} has neither a pad nor an EOS token to pad with"
-            )
+        pad = pad_token_id(tok, path)
         return cls(
             model,
             pad_token_id=pad,

@@ -31,6 +31,7 @@ from transformers import (
 )
 
 from relax.config import ModelInitConfig
+from relax.engines._base import EngineError
 from relax.errors import ConfigError, ConfigIssue
 
 log = logging.getLogger(__name__)
@@ -276,3 +277,13 @@ def load_policy(
     check_vocab(model.get_input_embeddings().num_embeddings, tok, key="model.path")
     model.eval()
     return model, tok
+
+
+def pad_token_id(tokenizer: Any, source: object = "the model") -> int:
+    """The id batches are padded with: the tokenizer's pad token, else its EOS token."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise EngineError(
+            f"the tokenizer of {source} has neither a pad nor an EOS token to pad with"
+        )
+    return int(pad)

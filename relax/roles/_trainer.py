@@ -29,7 +29,7 @@ from typing import Any
 
 from relax.actors import Actor
 from relax.config import ClusterConfig
-from relax.engines import load_policy
+from relax.engines import load_policy, pad_token_id
 from relax.observe import MetricsFanout, build_sinks
 from relax.roles._common import as_list, cluster_config, connect_bus
 from relax.training import make_backend
@@ -87,9 +87,7 @@ class TrainerRole(Actor):
     async def on_start(self) -> None:
         ctx = self.context
         model, tokenizer = load_policy(self.model_dir, self.cfg.trainer.dtype)
-        pad = (
-            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        )
+        pad = pad_token_id(tokenizer, self.model_dir)
 
         def build() -> Any:
             return make_backend(

@@ -89,3 +89,14 @@ def test_vocab_too_small_is_a_clear_error(tmp_path: Path) -> None:
 def test_load_policy_rejects_a_non_model_folder(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not a model folder"):
         load_policy(tmp_path)
+
+
+def test_pad_token_id_falls_back_to_eos_and_refuses_neither() -> None:
+    from types import SimpleNamespace
+
+    from relax.engines import EngineError, pad_token_id
+
+    assert pad_token_id(SimpleNamespace(pad_token_id=3, eos_token_id=7)) == 3
+    assert pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=7)) == 7
+    with pytest.raises(EngineError, match="neither a pad nor an EOS"):
+        pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=None), "/m")
