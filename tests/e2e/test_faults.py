@@ -68,10 +68,13 @@ async def test_roles_sigkilled_mid_run_lose_nothing_and_train_nothing_twice(tmp_
                 )
 
                 async def running(target: str = target) -> bool:
-                    return find(await tree.snapshot(), target)["state"] == "running"
+                    entry = find(await tree.snapshot(), target)
+                    return entry["state"] == "running" and bool(entry["pids"])
 
                 await wait_until(running, timeout=60, what=f"{target} running")
                 await asyncio.sleep(delay)  # the kill lands at a random moment of the step
+                # The child may be between incarnations right then: kill the next one.
+                await wait_until(running, timeout=60, what=f"{target} running")
                 pid = find(await tree.snapshot(), target)["pids"][0]
                 os.kill(pid, signal.SIGKILL)
                 kills[target] += 1
