@@ -136,12 +136,18 @@ def plain_config(cfg: ClusterConfig) -> dict[str, Any]:
 
 def sample_tasks(cfg: ClusterConfig) -> list[str]:
     """The consumer tasks of the samples bus: one per role that reads samples."""
-    tasks = ["reward", "train"]
+    # Episodes carry their own reward: no reward role scores them.
+    tasks = ["reward", "train"] if scored_by_reward_role(cfg) else ["train"]
     if cfg.reference.enabled:
         tasks.append("reference")
     if cfg.critic.enabled:
         tasks.append("critic")
     return tasks
+
+
+def scored_by_reward_role(cfg: ClusterConfig) -> bool:
+    """Whether samples are single replies the reward role scores (episodes score themselves)."""
+    return cfg.rollout.agent.kind == "single"
 
 
 def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
@@ -199,10 +205,15 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
     children = [
         ChildSpec("prompts", BusService, kwargs=prompts_bus, placement=in_process),
         ChildSpec("samples", BusService, kwargs=samples_bus, placement=in_process),
-        role("dataset", DatasetRole, cfg.dataset, **prompts_at, **run_dir),
+        *(
+            # External agents bring their own tasks: no prompts to serve.
+            [role("dataset", DatasetRole, cfg.dataset, **prompts_at, **run_dir)]
+            if cfg.rollout.agent.kind != "external"
+            else []
+        ),
         *(
             role(f"reward-{i}", RewardRole, cfg.reward, **samples_at)
-            for i in range(cfg.reward.replicas)
+            for i in range(cfg.reward.replicas if scored_by_reward_role(cfg) else 0)
         ),
         *(
             role(f"reference-{i}", ReferenceRole, cfg.reference, **samples_at)
@@ -215,7 +226,7 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
         # The trainer is transient: finishing its steps is a normal end, which ends the run.
         role("trainer", TrainerRole, cfg.trainer, restart="transient", **samples_at, **run_dir),
         *(
-            role(f"rollout-{i}", RolloutRole, cfg.rollout, **prompts_at, **samples_at)
+            role(f"rollout-{i}", RolloutRole, cfg.rollout, **prompts_at, **samples_at, **run_dir)
             for i in range(cfg.rollout.replicas)
         ),
     ]

@@ -133,18 +133,24 @@ class BusClient:
         *,
         batch_size: int,
         columns: Iterable[str] = (),
+        optional: Iterable[str] = (),
         min_rows: int = 1,
         whole_groups: bool = False,
         token_budget: int | None = None,
         lease_timeout: float | None = None,
         wait: float = 30.0,
     ) -> Batch:
-        """Lease up to ``batch_size`` rows ready for ``task`` (empty if none came in ``wait``)."""
+        """Lease up to ``batch_size`` rows ready for ``task`` (empty if none came in ``wait``).
+
+        A row is ready when it has every one of ``columns``; rows come with those columns
+        (all of them when ``columns`` is empty) plus whichever of ``optional`` they have.
+        """
         reply = await self._call(
             {
                 "op": "take",
                 "task": task,
                 "columns": list(columns),
+                "optional": list(optional),
                 "batch_size": batch_size,
                 "min_rows": min_rows,
                 "whole_groups": whole_groups,

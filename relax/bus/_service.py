@@ -200,6 +200,7 @@ class BusService(Actor):
 
     async def _op_take(self, req: dict[str, Any], peer: Peer) -> dict[str, Any] | None:
         columns = tuple(req.get("columns") or ())
+        optional = tuple(req.get("optional") or ())
         dropped: list[Op] = []
 
         def attempt() -> Any:
@@ -227,7 +228,11 @@ class BusService(Actor):
         rows = []
         for uid, attempt_no in lease.items.items():
             row = self.table.rows[uid]
-            cols = row.columns if not columns else {c: row.columns[c] for c in columns}
+            cols = (
+                row.columns
+                if not columns
+                else {c: row.columns[c] for c in (*columns, *optional) if c in row.columns}
+            )
             rows.append(
                 {
                     "uid": uid,

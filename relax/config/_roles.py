@@ -125,6 +125,69 @@ class VllmConfig(ConfigModel):
     """Seed of vLLM's sampler."""
 
 
+AgentKind = Literal["single", "env", "openai", "external"]
+
+
+class AgentConfig(ConfigModel):
+    """``[rollout.agent]``: what one sample is — one reply, a multi-turn episode of an environment, or a session of an agent program that talks to the rollout's OpenAI-compatible endpoint."""
+
+    kind: AgentKind = "single"
+    """"single": one reply per sample, scored by the reward role. "env": an episode of `env` (multi-turn, tool outputs masked out of the loss; the environment gives the reward). "openai": an episode of the agent program `program`, which only talks to the endpoint with the `openai` client; every call is recorded and the program returns the reward. "external": no prompts are taken; the user's own programs generate through the endpoint and submit finished sessions with their rewards."""
+    env: ImportPath | None = None
+    """For kind "env": import path "package.module:Name" of an `relax.agents.Env` subclass (or a factory returning one), called with `options` as keyword arguments, once per episode. Built-ins: "relax.agents.envs:GuessNumber", "relax.agents.envs:Calculator"."""
+    program: ImportPath | None = None
+    """For kind "openai": import path of the agent program `fn(base_url, api_key, task, **options) -> reward`, sync (run in a thread) or async; it must only reach the policy through `base_url`."""
+    options: dict[str, Any] = {}
+    """Keyword arguments for `env` or `program` (free-form table)."""
+    max_turns: PositiveInt = 4
+    """Model replies per episode at most (kind "env")."""
+    max_tokens: PositiveInt = 256
+    """Tokens after the first prompt per episode at most, replies and observations together (kind "env"); each reply is also capped by `rollout.max_new_tokens`."""
+    tool_timeout: Seconds = 10.0
+    """Seconds one environment call (`reset`, `step`) may take; a slower one ends the episode as "tool_timeout" (kind "env")."""
+    episode_timeout: Seconds = 300.0
+    """Seconds one agent program may run (kind "openai"); a slower one ends as "tool_timeout" with what it recorded so far."""
+    error_reward: float = Field(0.0, allow_inf_nan=False)
+    """Reward of an episode a failing or hanging tool, environment or agent program ended (the reason is recorded in the row's `episode_reason`)."""
+    observation_role: str = "tool"
+    """Chat role of an environment's text observations."""
+    chat: bool = True
+    """Render episodes with the tokenizer's chat template; false appends plain text (for models without one)."""
+
+    def needs_server(self) -> bool:
+        """Whether this kind only works through the endpoint."""
+        return self.kind in ("openai", "external")
+
+    @model_validator(mode="after")
+    def _kind_needs(self) -> AgentConfig:
+        problems = Problems()
+        if self.kind == "env" and self.env is None:
+            problems.add("env", 'kind "env" needs env = "package.module:Name" (an Env class)')
+        if self.kind == "openai" and self.program is None:
+            problems.add("program", 'kind "openai" needs program = "package.module:function"')
+        if not self.observation_role:
+            problems.add("observation_role", "must not be empty")
+        problems.raise_if_any()
+        return self
+
+
+class ServerConfig(ConfigModel):
+    """``[rollout.server]``: the OpenAI-compatible endpoint (`/v1/chat/completions`, `/v1/completions`) a rollout serves on loopback; calls made in a session are recorded as trajectories."""
+
+    enabled: bool = False
+    """Serve the endpoint (always on for `agent.kind` "openai" and "external")."""
+    host: str = "127.0.0.1"
+    """Address to bind; keep it on loopback unless a firewall and the API key protect it."""
+    port: NonNegativeInt = 0
+    """Port of replica 0 (replica i serves port + i); 0 picks free ports. Each replica writes its URL to `RUN_DIR/endpoints/rollout-<i>.json`."""
+    api_key_env: str | None = None
+    """Environment variable holding the API key clients must send as a Bearer token; unset generates a random key per run (in the endpoint file, readable only by you)."""
+    model_name: str = "policy"
+    """The model name the endpoint serves (requests naming another get 404)."""
+    max_sessions: PositiveInt = 4096
+    """Open sessions kept at most; the least recently used beyond it are forgotten."""
+
+
 class RolloutConfig(RoleConfig):
     """``[rollout]``: the role that generates responses with the current policy weights."""
 
@@ -150,6 +213,14 @@ class RolloutConfig(RoleConfig):
     """Let a weight update interrupt generation in flight (the rest of the response is generated with the new weights and per-token versions are recorded); if false, updates wait for the batch to finish."""
     vllm: VllmConfig = VllmConfig()
     """vLLM engine settings; ignored unless `engine = "vllm"` (so switching engines needs no other edit)."""
+    agent: AgentConfig = AgentConfig()
+    """What one sample is: one reply, an environment episode or an agent session (see `[rollout.agent]`)."""
+    server: ServerConfig = ServerConfig()
+    """The OpenAI-compatible endpoint (see `[rollout.server]`)."""
+
+    def serves(self) -> bool:
+        """Whether replicas serve the OpenAI-compatible endpoint."""
+        return self.server.enabled or self.agent.needs_server()
 
     def _collect_problems(self, problems: Problems) -> None:
         super()._collect_problems(problems)

@@ -195,6 +195,11 @@ class GenerationEngine(abc.ABC):
         nothing) when names or shapes do not match the model, or the version goes backwards.
         """
 
+    @property
+    def max_model_len(self) -> int | None:
+        """Longest sequence (prompt + response) the engine serves; None when it does not say."""
+        return None
+
     @abc.abstractmethod
     def statistics(self) -> dict[str, float | int]:
         """Counters for metrics: requests, sequences, tokens, time spent, weight loads, …"""

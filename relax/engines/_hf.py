@@ -166,6 +166,10 @@ class HFEngine(GenerationEngine):
 
     # ------------------------------------------------------------------ generation
 
+    @property
+    def max_model_len(self) -> int | None:
+        return self._max_positions
+
     def _check_prompt(self, i: int, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
         return check_prompt(i, prompt, max_new_tokens, self._vocab_size, self._max_positions)
 

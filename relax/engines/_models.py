@@ -44,12 +44,23 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, IM_START, IM_END)
 """Specials of the byte tokenizer, with ids 256, 257, … in this order."""
 
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n' }}"
+    "{% for tool in tools %}{{ (tool.function if tool.function is defined else tool) | tojson }}"
+    "{{ '\\n' }}{% endfor %}"
+    '{{ \'Call a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>\''
+    " + '<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{% for call in message.tool_calls or [] %}"
+    "{{ '<tool_call>' + {'name': call.function.name, 'arguments': call.function.arguments}"
+    " | tojson + '</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-"""ChatML: one ``<|im_start|>role\\ncontent<|im_end|>\\n`` per turn; a reply ends with ``<|im_end|>``."""
+"""ChatML: one ``<|im_start|>role\\ncontent<|im_end|>\\n`` per turn; a reply ends with ``<|im_end|>``.
+Tools (OpenAI ``tools``) are listed in a first system turn; an assistant turn's tool calls are
+written as ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (Hermes/Qwen style)."""
 
 # Text whose encoding is compared between loading paths (see ``load_tokenizer``): ASCII,
 # spaces in odd places, digits, accents, a decomposed "é" and a ligature (which an NFC/NFKC

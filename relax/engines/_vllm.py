@@ -351,6 +351,10 @@ class VLLMEngine(GenerationEngine):
             raise EngineError("the vLLM engine is closed")
         return self.llm
 
+    @property
+    def max_model_len(self) -> int | None:
+        return self._max_len
+
     def _check_prompt(self, i: int, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
         return check_prompt(i, prompt, max_new_tokens, self._vocab_size, self._max_len)
 

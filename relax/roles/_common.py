@@ -34,6 +34,18 @@ def as_list(value: Any) -> list[Any]:
     return value.tolist() if hasattr(value, "tolist") else list(value)
 
 
+def training_row(row: dict[str, Any], columns: tuple[str, ...]) -> dict[str, Any]:
+    """A bus row as a training backend's ``Row``: its ``columns``, and its ``loss_mask`` when
+    it has one (multi-turn rows: observations are conditioned on, never trained on)."""
+    cols = row["columns"]
+    out: dict[str, Any] = {"group": row["group"], "uid": row["uid"]}
+    for name in columns:
+        out[name] = float(cols[name]) if name == "reward" else as_list(cols[name])
+    if cols.get("loss_mask") is not None:
+        out["loss_mask"] = as_list(cols["loss_mask"])
+    return out
+
+
 def prompt_seed(seed: int | None, uid: str) -> int | None:
     """The sampling seed of one prompt: stable across processes, retries and batchings."""
     if seed is None:

@@ -29,7 +29,7 @@ from typing import Any
 from relax.actors import Actor
 from relax.config import ClusterConfig
 from relax.engines import load_tokenizer
-from relax.roles._common import as_list, cluster_config, connect_bus, write_once
+from relax.roles._common import cluster_config, connect_bus, training_row, write_once
 from relax.training._value import CriticTrainer, ValueModel
 
 VALUE_CLIP = 0.5
@@ -119,13 +119,14 @@ class CriticRole(Actor):
                     "critic",
                     batch_size=cfg.trainer.global_batch_size,
                     columns=list(columns),
+                    optional=["loss_mask"],
                     whole_groups=True,  # whole groups make fuller, steadier critic batches
                     wait=1.0,
                 ) as batch:
                     if not batch.rows:
                         continue
                     started = time.monotonic()
-                    rows = [_critic_row(r, columns) for r in batch.rows]
+                    rows = [training_row(r, columns) for r in batch.rows]
                     values = await asyncio.to_thread(critic.values, rows)
                     self.already_written += await write_once(
                         bus,
@@ -160,11 +161,3 @@ class CriticRole(Actor):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with self.metrics_file.open("a") as f:
             f.write(json.dumps(record) + "\n")
-
-
-def _critic_row(row: dict[str, Any], columns: tuple[str, ...]) -> dict[str, Any]:
-    cols = row["columns"]
-    out: dict[str, Any] = {"group": row["group"], "uid": row["uid"]}
-    for name in columns:
-        out[name] = float(cols[name]) if name == "reward" else as_list(cols[name])
-    return out

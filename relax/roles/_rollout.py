@@ -12,20 +12,41 @@ it is published. With ``rollout.interruptible`` the update lands between two tok
 generation in flight (partial rollout: every token's version is recorded in the
 ``token_versions`` column and the row is stamped with its oldest); otherwise it waits for the
 generation to end. A restarted rollout loads the current version before it serves.
+
+Agents (``[rollout.agent]``): with kind "env" a sample is a multi-turn episode of an
+environment, with kind "openai" a session of an agent program that reaches the policy only
+through this rollout's OpenAI-compatible endpoint (``[rollout.server]``), and with kind
+"external" the rollout takes no prompts at all: users' own programs generate through the
+endpoint and submit finished sessions (``POST /relax/v1/sessions/{id}/finish``), which become
+rows. Episodes and endpoint calls share one ``Sampler``, so concurrent turns batch together.
+Each replica serving the endpoint writes its URL and API key to
+``RUN_DIR/endpoints/<replica>.json`` (readable only by the user).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import secrets
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from relax.actors import Actor
+from relax.agents import AgentServer, Sampler, SessionStore, Trajectory
 from relax.bus import BusClient
 from relax.config import ClusterConfig
-from relax.engines import Generation, GenerationEngine, open_engine, stop_token_ids
+from relax.engines import (
+    Generation,
+    GenerationEngine,
+    load_tokenizer,
+    open_engine,
+    stop_token_ids,
+)
 from relax.roles._common import as_list, cluster_config, connect_bus, prompt_seed
+from relax.roles._episodes import env_rows, program_rows
 
 
 async def generate_groups(
@@ -50,11 +71,23 @@ async def generate_groups(
 
 class RolloutRole(Actor):
     def __init__(
-        self, *, config: dict[str, Any], prompts_url: str, samples_url: str, model_dir: str
+        self,
+        *,
+        config: dict[str, Any],
+        prompts_url: str,
+        samples_url: str,
+        model_dir: str,
+        run_dir: str | None = None,
     ) -> None:
         self.cfg = cluster_config(config)
         self.prompts_url, self.samples_url, self.model_dir = prompts_url, samples_url, model_dir
+        self.run_dir = Path(run_dir) if run_dir else None
         self.engine: GenerationEngine | None = None
+        self.sampler: Sampler | None = None
+        self.sessions: SessionStore | None = None
+        self.server: AgentServer | None = None
+        self._samples: BusClient | None = None
+        self.episodes: dict[str, int] = {}  # episodes by how they ended
         self._new_weights: asyncio.Condition | None = None
         self._loading = asyncio.Lock()
         self._unpaused = asyncio.Event()
@@ -67,8 +100,21 @@ class RolloutRole(Actor):
         self.engine = await asyncio.to_thread(
             open_engine, self.cfg.rollout, self.model_dir, self.cfg.model.dtype
         )
+        rollout = self.cfg.rollout
+        if rollout.agent.kind != "single" or rollout.serves():
+            self.tokenizer = getattr(self.engine, "tokenizer", None) or load_tokenizer(
+                self.model_dir
+            )
+            self.sampler = Sampler(self.engine)
+            self.sessions = SessionStore(self.tokenizer, max_sessions=rollout.server.max_sessions)
 
     async def on_stop(self) -> None:
+        if self.server is not None:
+            await self.server.aclose()
+            if self.run_dir is not None:  # nobody may connect to a stopped endpoint
+                (self.run_dir / "endpoints" / f"{self.context.id}.json").unlink(missing_ok=True)
+        if self.sampler is not None:
+            await self.sampler.aclose()
         if self.engine is not None:
             await self.engine.close()
 
@@ -89,8 +135,14 @@ class RolloutRole(Actor):
         return False
 
     def statistics(self) -> dict[str, Any]:
-        """The engine's counters (requests, tokens, weight loads, interrupted loads, …)."""
-        return self.engine.statistics() if self.engine else {}
+        """The engine's counters (requests, tokens, weight loads, interrupted loads, …), and
+        the endpoint's and episodes' when there are any."""
+        stats: dict[str, Any] = dict(self.engine.statistics()) if self.engine else {}
+        if self.server is not None:
+            stats["endpoint"] = {"url": self.server.url, **self.server.statistics()}
+        if self.episodes:
+            stats["episodes"] = dict(self.episodes)
+        return stats
 
     async def _sync_weights(self, bus: BusClient, wait: float) -> bool:
         """Load the newest published version, if newer than ours; True when one was loaded."""
@@ -136,7 +188,12 @@ class RolloutRole(Actor):
         ):
             await self._sync_weights(weights, wait=0)  # serve the current version first
             follower = asyncio.create_task(self._follow_weights(weights))
+            self._samples = samples
             try:
+                if self.cfg.rollout.serves():
+                    await self._serve_endpoint(stops)
+                if self.cfg.rollout.agent.kind == "external":
+                    await follower  # serve until stopped; fail if weights stop following
                 while True:
                     if follower.done():
                         follower.result()  # the follower failed: fail the role with its error
@@ -150,6 +207,70 @@ class RolloutRole(Actor):
                 follower.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await follower
+
+    async def _serve_endpoint(self, stops: list[int]) -> None:
+        """Start the OpenAI-compatible endpoint and write where it is to the run folder."""
+        assert self.sampler is not None and self.sessions is not None
+        server_cfg = self.cfg.rollout.server
+        replica = int(self.context.id.rsplit("-", 1)[-1]) if self.context.id[-1:].isdigit() else 0
+        api_key = (
+            os.environ.get(server_cfg.api_key_env)
+            if server_cfg.api_key_env
+            else secrets.token_urlsafe(24)
+        )
+        if server_cfg.api_key_env and not api_key:
+            raise RuntimeError(
+                f"rollout.server.api_key_env: the environment variable {server_cfg.api_key_env}"
+                " is not set"
+            )
+        self.server = AgentServer(
+            sampler=self.sampler,
+            tokenizer=self.tokenizer,
+            sessions=self.sessions,
+            api_key=api_key,
+            model_name=server_cfg.model_name,
+            host=server_cfg.host,
+            port=server_cfg.port + replica if server_cfg.port else 0,
+            stop_token_ids=stops,
+            max_model_len=self.engine.max_model_len if self.engine else None,
+            default_max_tokens=self.cfg.rollout.max_new_tokens,
+            on_finish=self._submit,
+        )
+        url = await self.server.start()
+        self.api_key = api_key
+        if self.run_dir is not None:
+            folder = self.run_dir / "endpoints"
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"{self.context.id}.json"
+            data = {"url": url, "api_key": api_key, "model": server_cfg.model_name}
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f)
+        self.log.info("endpoint serving", url=url)
+
+    async def _submit(self, session: str, traj: Trajectory, body: dict[str, Any]) -> None:
+        """A session an external program finished: one row on the sample bus."""
+        assert self._samples is not None
+        size = body.get("group_size", 1)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"group_size must be a positive integer, got {size!r}")
+        traj.info["session"] = session
+        row = {
+            "uid": str(body.get("uid") or session),
+            "group": str(body.get("group") or session),
+            "group_size": size,
+            "version": max(traj.version, 0),
+            "columns": traj.columns(),
+        }
+        await self._samples.put([row], wait=3600)
+        self._count([traj])
+
+    def _count(self, trajs: list[Trajectory]) -> None:
+        for traj in trajs:
+            end = traj.end or "done"
+            self.episodes[end] = self.episodes.get(end, 0) + 1
+            if end not in ("done", "max_turns", "token_budget"):
+                self.log.warning("episode ended by a failure", end=end, reason=traj.reason)
 
     async def _round(
         self, prompts: BusClient, samples: BusClient, n: int, stops: list[int]
@@ -186,6 +307,28 @@ class RolloutRole(Actor):
             await prompts.release(replace(batch, rows=waiting))
         if not admitted:
             return
+        kind = cfg.rollout.agent.kind
+        if kind == "env":
+            assert self.sampler is not None
+            rows, trajs = await env_rows(cfg, self.sampler, self.tokenizer, admitted, stops)
+            self._count(trajs)
+        elif kind == "openai":
+            assert self.sessions is not None and self.server is not None
+            rows, trajs = await program_rows(
+                cfg, self.sessions, self.server.session_url, self.api_key, admitted
+            )
+            self._count(trajs)
+        else:
+            rows = await self._single_rows(admitted, n, stops)
+        await samples.put(rows, wait=3600)
+        await prompts.ack(replace(batch, rows=admitted))
+
+    async def _single_rows(
+        self, admitted: list[dict[str, Any]], n: int, stops: list[int]
+    ) -> list[dict[str, Any]]:
+        """One reply per sample, scored later by the reward role."""
+        cfg, engine = self.cfg, self.engine
+        assert engine is not None
         gens = await generate_groups(engine, cfg, admitted, stops)
         rows = []
         for i, row in enumerate(admitted):
@@ -208,5 +351,4 @@ class RolloutRole(Actor):
                         "columns": columns,
                     }
                 )
-        await samples.put(rows, wait=3600)
-        await prompts.ack(replace(batch, rows=admitted))
+        return rows

@@ -31,8 +31,8 @@ from relax.actors import Actor
 from relax.config import ClusterConfig
 from relax.engines import load_policy, pad_token_id
 from relax.observe import MetricsFanout, build_sinks
-from relax.roles._common import as_list, cluster_config, connect_bus
-from relax.training import make_backend
+from relax.roles._common import cluster_config, connect_bus, training_row
+from relax.training import StepResult, make_backend
 from relax.transport import dumps, loads
 
 
@@ -57,12 +57,31 @@ def train_columns(cfg: ClusterConfig) -> tuple[str, ...]:
     return tuple(columns)
 
 
+EPISODE_COLUMNS = ("loss_mask", "turns", "episode_end", "success")
+"""Columns multi-turn rows add: the trainer takes them when a row has them."""
+
+
 def train_row(row: dict[str, Any], columns: tuple[str, ...]) -> dict[str, Any]:
     """A bus row as the training backend's ``Row``."""
-    cols = row["columns"]
-    out: dict[str, Any] = {"group": row["group"], "uid": row["uid"]}
-    for name in columns:
-        out[name] = float(cols[name]) if name == "reward" else as_list(cols[name])
+    return training_row(row, columns)
+
+
+def episode_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Means over a batch's episode rows: task success (when the environment reports it),
+    turns, and the share of episodes a failure ended."""
+    cols = [r["columns"] for r in rows if "episode_end" in r["columns"]]
+    if not cols:
+        return {}
+    out = {
+        "turns_mean": sum(float(c.get("turns", 0)) for c in cols) / len(cols),
+        "episode_failed": sum(
+            c["episode_end"] in ("tool_error", "tool_timeout", "agent_error") for c in cols
+        )
+        / len(cols),
+    }
+    success = [float(c["success"]) for c in cols if "success" in c]
+    if success:
+        out["success_rate"] = sum(success) / len(success)
     return out
 
 
@@ -231,6 +250,7 @@ class TrainerRole(Actor):
             min_rows=size,
             whole_groups=True,
             columns=list(columns),
+            optional=list(EPISODE_COLUMNS),
             wait=5.0,
         ) as batch:
             if not batch.rows:
@@ -242,7 +262,14 @@ class TrainerRole(Actor):
             rows = [train_row(r, columns) for r in ordered]
             versions = [r["version"] for r in batch.rows]
             # Off the event loop: heartbeats must keep flowing during a long step.
-            result = await self._together("step", rows=[r for r in rows if r["response_ids"]])
+            trainable = [r for r in rows if r["response_ids"]]
+            # Agent episodes that never reached the model leave rows without a response;
+            # a batch of only those is consumed as a skipped step, not a crash.
+            result = (
+                await self._together("step", rows=trainable)
+                if trainable
+                else StepResult(False, {"rows": 0.0}, "no row of the batch has response tokens")
+            )
             record = {
                 "step": self.backend.version,
                 "applied": result.applied,
@@ -254,6 +281,7 @@ class TrainerRole(Actor):
                 "staleness_max": batch.trainer_version - min(versions),
                 "wall_s": time.monotonic() - started,
                 "time": time.time(),  # when the step ended (Unix seconds), for rates and plots
+                **episode_metrics(batch.rows),
                 **result.metrics,
             }
             self._record(record)

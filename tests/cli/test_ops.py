@@ -182,7 +182,7 @@ def test_shell_completion_of_actors_recipes_and_steps(logged_run, tmp_path) -> N
     ctx = click.Context(click.Command("x"))
     ctx.params = {"run_dir": logged_run}
     assert _complete_actor(ctx, "ro") == ["rollout", "rollout-0", "rollout-1"]
-    assert _complete_recipe("g") == ["grpo_kl", "gspo"]
+    assert _complete_recipe("g") == ["grpo_kl", "gspo", "guess_number"]
     ckpt = logged_run / "checkpoints" / "step-00000007"
     ckpt.mkdir(parents=True)
     assert _complete_step(ctx, "") == ["latest", "7"]

@@ -1,0 +1,170 @@
+"""Many concurrent callers, one engine: requests that arrive while the engine is busy are
+batched into its next ``generate`` call.
+
+Episodes, agent sessions and endpoint requests each ask for one reply at a time; calling the
+engine once per reply would leave it running batches of one. The sampler keeps a queue: when
+the engine is free it takes everything waiting (grouped by sampling settings, since one engine
+call has one set) and runs it as one batch. No timer decides the batch, so an idle engine
+starts a lone request at once. Each request carries its own seed, so its reply does not depend
+on which other requests shared its batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from relax.engines import EngineError, Generation, GenerationEngine, SamplingParams
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    key: tuple[Any, ...]
+    seed: int | None
+    done: asyncio.Future[list[Generation]] = field(repr=False, default=None)  # type: ignore[assignment]
+
+
+class Sampler:
+    """Batches concurrent ``generate`` calls into engine calls (see the module docstring)."""
+
+    def __init__(self, engine: GenerationEngine, *, max_batch: int = 64) -> None:
+        self.engine = engine
+        self.max_batch = max_batch
+        self._queue: list[_Request] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.stats = {"requests": 0, "engine_calls": 0, "cancelled": 0, "largest_batch": 0}
+
+    @property
+    def version(self) -> int:
+        """The weights version the engine serves now."""
+        return self.engine.version
+
+    def statistics(self) -> dict[str, Any]:
+        """Requests served, engine calls made, requests waiting, largest batch."""
+        return {**self.stats, "waiting": len(self._queue)}
+
+    async def generate(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        n: int = 1,
+        seed: int | None = None,
+    ) -> list[Generation]:
+        """``n`` replies to one prompt (the engine's contract, for one prompt)."""
+        # Validate here, so a bad request fails alone instead of failing the batch it joins.
+        SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_token_ids=tuple(stop_token_ids),
+            n=n,
+        )
+        key = (max_new_tokens, temperature, top_p, top_k, tuple(stop_token_ids), n)
+        request = _Request([int(t) for t in prompt], key, seed)
+        request.done = asyncio.get_running_loop().create_future()
+        self._queue.append(request)
+        self.stats["requests"] += 1
+        self._ensure_running()
+        try:
+            return await request.done
+        except asyncio.CancelledError:
+            # Not yet started: it leaves the queue. Already in a batch: the batch finishes and
+            # its result for this request is dropped.
+            if request in self._queue:
+                self._queue.remove(request)
+            self.stats["cancelled"] += 1
+            raise
+
+    def _ensure_running(self) -> None:
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._serve(), name="relax-sampler")
+
+    async def _serve(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                first = self._queue[0].key
+                batch = [r for r in self._queue if r.key == first][: self.max_batch]
+                for r in batch:
+                    self._queue.remove(r)
+                await self._run(batch)
+
+    async def _run(self, batch: list[_Request]) -> None:
+        max_new, temperature, top_p, top_k, stops, n = batch[0].key
+        seeded = any(r.seed is not None for r in batch)
+        self.stats["engine_calls"] += 1
+        self.stats["largest_batch"] = max(self.stats["largest_batch"], len(batch))
+        try:
+            gens = await self.engine.generate(
+                [r.prompt for r in batch],
+                max_new_tokens=max_new,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                stop_token_ids=stops,
+                n=n,
+                # An unseeded request in a seeded batch still gets a fresh seed of its own.
+                seed=[r.seed if r.seed is not None else _fresh_seed() for r in batch]
+                if seeded
+                else None,
+            )
+        except asyncio.CancelledError:  # closing: nobody may wait forever
+            for r in batch:
+                _settle(r, exc=EngineError("the sampler was closed"))
+            raise
+        except EngineError as exc:
+            if len(batch) > 1:  # find the request at fault: retry each alone
+                for r in batch:
+                    await self._run([r])
+                return
+            _settle(batch[0], exc=exc)
+            return
+        except Exception as exc:  # the engine broke: every caller hears it
+            for r in batch:
+                _settle(r, exc=exc)
+            return
+        for i, r in enumerate(batch):
+            _settle(r, result=gens[i * n : (i + 1) * n])
+
+    async def aclose(self) -> None:
+        """Stop serving; requests still waiting fail with ``EngineError``."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for r in self._queue:
+            _settle(r, exc=EngineError("the sampler was closed"))
+        self._queue.clear()
+
+
+def _settle(
+    request: _Request, *, result: list[Generation] | None = None, exc: Exception | None = None
+) -> None:
+    if request.done.done():  # its caller was cancelled meanwhile
+        return
+    if exc is not None:
+        request.done.set_exception(exc)
+    else:
+        request.done.set_result(result or [])
+
+
+def _fresh_seed() -> int:
+    import secrets
+
+    return secrets.randbits(63)

@@ -1,0 +1,133 @@
+"""A multi-turn trajectory as one trainable sample row.
+
+One row per episode: ``prompt_ids`` is the first prompt; ``response_ids`` is everything after
+it — the model's replies *and* the observations between them — with ``loss_mask`` 1 on the
+model's tokens and 0 on the rest, so the trainer conditions on tool outputs without training
+the policy to produce them. ``logprobs`` and ``token_versions`` hold the sampling policy's
+values on model tokens (observation tokens get 0.0 and the version of the reply before them:
+they are masked out, and must not make the row look staler than it is).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+END_REASONS = ("done", "max_turns", "token_budget", "tool_error", "tool_timeout", "agent_error")
+"""Why an episode ended: the environment said done, a budget ran out, or a failure."""
+
+
+@dataclass
+class Trajectory:
+    """Token ids of an episode so far, with what training needs per token."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    """Model replies so far."""
+    end: str | None = None
+    """Why it ended (one of ``END_REASONS``), once it has."""
+    reason: str = ""
+    """Details of a failure ending (the exception, the timeout)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """What the environment reported (``Step.info``, merged); ``info["success"]`` becomes the
+    row's ``success`` column (the trainer logs its mean as ``success_rate``)."""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    """Per model call: its prompt length, the ids and log-probs it returned, its version."""
+
+    def __len__(self) -> int:
+        """Tokens in the whole sequence (prompt and response)."""
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def ids(self) -> list[int]:
+        """The whole sequence: what the model is prompted with for its next reply."""
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def version(self) -> int:
+        """The oldest weights version that generated any model token (``-1`` before any)."""
+        model = [v for v, m in zip(self.token_versions, self.loss_mask, strict=True) if m]
+        return min(model) if model else -1
+
+    def add_reply(
+        self,
+        ids: Sequence[int],
+        logprobs: Sequence[float],
+        versions: int | Sequence[int],
+    ) -> None:
+        """Append the model's reply, trained on."""
+        per_token = [versions] * len(ids) if isinstance(versions, int) else list(versions)
+        if not len(ids) == len(logprobs) == len(per_token):
+            raise ValueError(
+                f"a reply of {len(ids)} ids has {len(logprobs)} logprobs and"
+                f" {len(per_token)} versions"
+            )
+        self.calls.append(
+            {
+                "prompt_tokens": len(self),
+                "ids": list(ids),
+                "logprobs": list(logprobs),
+                "versions": per_token,
+            }
+        )
+        self.response_ids += list(ids)
+        self.loss_mask += [1] * len(ids)
+        self.logprobs += [float(x) for x in logprobs]
+        self.token_versions += per_token
+        self.turns += 1
+
+    def add_observation(self, ids: Sequence[int]) -> None:
+        """Append ids the model did not generate (tool output, user turn): conditioned on,
+        never trained on."""
+        version = self.token_versions[-1] if self.token_versions else 0
+        self.response_ids += list(ids)
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.token_versions += [version] * len(ids)
+
+    def finish(self, end: str, reason: str = "") -> None:
+        if end not in END_REASONS:
+            raise ValueError(f"unknown end {end!r}; one of {END_REASONS}")
+        self.end, self.reason = end, reason
+
+    def generated_ids(self) -> list[list[int]]:
+        """The ids of each model reply, in order (what token-exactness is checked against)."""
+        return [call["ids"] for call in self.calls]
+
+    def columns(self) -> dict[str, Any]:
+        """The row's columns on the sample bus (``reward`` included: the episode scored it)."""
+        columns = {
+            "prompt_ids": list(self.prompt_ids),
+            "response_ids": list(self.response_ids),
+            "logprobs": list(self.logprobs),
+            "loss_mask": list(self.loss_mask),
+            "token_versions": list(self.token_versions),
+            "reward": float(self.reward),
+            "turns": self.turns,
+            "episode_end": self.end or "",
+            "episode_reason": self.reason,
+        }
+        if "success" in self.info:
+            columns["success"] = float(bool(self.info["success"]))
+        if "session" in self.info:  # the endpoint session it was recorded from
+            columns["session"] = str(self.info["session"])
+        return columns
+
+
+def model_spans(loss_mask: Sequence[int], ids: Sequence[int]) -> list[list[int]]:
+    """The runs of ``ids`` whose mask is 1: a row's model replies, in order."""
+    spans: list[list[int]] = []
+    previous = 0
+    for token, m in zip(ids, loss_mask, strict=True):
+        if m and not previous:
+            spans.append([])
+        if m:
+            spans[-1].append(int(token))
+        previous = m
+    return spans
