@@ -32,6 +32,12 @@ async def run_sync(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Lay
     checkpoint (``checkpoints/step-N``) in the run folder, like a cluster run."""
     if cfg.reference.enabled or cfg.critic.enabled:
         raise NotImplementedError("the synchronous runner has no reference or critic model yet")
+    if cfg.rollout.agent.kind != "single":
+        raise NotImplementedError(
+            "the synchronous runner plays single replies only; run agent kinds as a cluster"
+        )
+    if cfg.model.init is not None and cfg.model.init.arch == "qwen2_5_omni":
+        raise NotImplementedError("the synchronous runner has no media path yet; run a cluster")
     layout = prepare(cfg, run_dir)
     tokenizer = load_tokenizer(layout.model_dir)
     rollout = cfg.rollout.model_copy(update={"interruptible": False})

@@ -137,13 +137,16 @@ class BusClient:
         min_rows: int = 1,
         whole_groups: bool = False,
         token_budget: int | None = None,
+        max_row_tokens: int | None = None,
         lease_timeout: float | None = None,
         wait: float = 30.0,
     ) -> Batch:
         """Lease up to ``batch_size`` rows ready for ``task`` (empty if none came in ``wait``).
 
         A row is ready when it has every one of ``columns``; rows come with those columns
-        (all of them when ``columns`` is empty) plus whichever of ``optional`` they have.
+        (all of them when ``columns`` is empty) plus whichever of ``optional`` they have. A
+        unit (row or whole group) holding a row of more than ``max_row_tokens`` tokens is
+        dropped as "oversized" (counted), like one above the whole ``token_budget``.
         """
         reply = await self._call(
             {
@@ -155,6 +158,7 @@ class BusClient:
                 "min_rows": min_rows,
                 "whole_groups": whole_groups,
                 "token_budget": token_budget,
+                "max_row_tokens": max_row_tokens,
                 "lease_timeout": lease_timeout,
                 "wait": wait,
             },

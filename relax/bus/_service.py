@@ -211,6 +211,7 @@ class BusService(Actor):
                 min_rows=int(req.get("min_rows", 1)),
                 whole_groups=bool(req.get("whole_groups", False)),
                 token_budget=req.get("token_budget"),
+                max_row_tokens=req.get("max_row_tokens"),
                 holder=peer.id,
                 lease_timeout=float(req.get("lease_timeout") or self.lease_timeout),
                 now=time.time(),

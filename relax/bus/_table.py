@@ -208,6 +208,7 @@ class BusTable:
         min_rows: int = 1,
         whole_groups: bool = False,
         token_budget: int | None = None,
+        max_row_tokens: int | None = None,
         holder: str = "",
         lease_timeout: float = 60.0,
         now: float = 0.0,
@@ -215,7 +216,8 @@ class BusTable:
         """Lease up to ``batch_size`` ready rows to ``task``; ``None`` if fewer than ``min_rows``.
 
         Drops (and counts) rows the trainer can no longer use: too stale, or a unit larger
-        than the whole token budget. Drops happen even when no lease is granted.
+        than the whole token budget or holding a row above ``max_row_tokens`` (dropped as
+        "oversized"). Drops happen even when no lease is granted.
         """
         if task not in self.tasks:
             raise UnknownTask(f"unknown consumer task {task!r}; the bus serves {list(self.tasks)}")
@@ -232,7 +234,8 @@ class BusTable:
                 ops.append(self._drop_op(unit, "stale"))
                 continue
             unit_tokens = sum(r.tokens for r in unit)
-            if token_budget is not None and unit_tokens > token_budget:
+            too_long = max_row_tokens is not None and max(r.tokens for r in unit) > max_row_tokens
+            if too_long or (token_budget is not None and unit_tokens > token_budget):
                 ops.append(self._drop_op(unit, "oversized"))
                 continue
             if len(chosen) + len(unit) > batch_size:

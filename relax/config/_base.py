@@ -240,6 +240,7 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 Fraction = Annotated[float, Field(ge=0, le=1)]
 OpenFraction = Annotated[float, Field(gt=0, le=1)]
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 AsTuple = BeforeValidator(_list_to_tuple)
@@ -266,6 +267,7 @@ __all__ = [
     "OpenFraction",
     "Placement",
     "Port",
+    "PositiveFloat",
     "PositiveInt",
     "Problems",
     "Restart",

@@ -25,6 +25,7 @@ from relax.config._base import (
     NonNegativeFloat,
     NonNegativeInt,
     Port,
+    PositiveFloat,
     PositiveInt,
     Problems,
     SafeName,
@@ -195,8 +196,8 @@ class BusConfig(ConfigModel):
 class ModelInitConfig(ConfigModel):
     """``[model.init]``: a small randomly initialised model, built on the spot (no download)."""
 
-    arch: Literal["qwen2", "llama"] = "qwen2"
-    """Architecture (a Hugging Face transformers model type)."""
+    arch: Literal["qwen2", "llama", "qwen2_5_omni"] = "qwen2"
+    """Architecture: "qwen2" or "llama" (text), or "qwen2_5_omni" (a Qwen2.5-Omni thinker: text decoder of these sizes plus tiny vision and audio towers, with an offline processor for images, audio and video)."""
     hidden_size: PositiveInt = 64
     """Width of the hidden state; a multiple of `num_heads`."""
     num_layers: PositiveInt = 2
@@ -275,6 +276,40 @@ class ModelConfig(ConfigModel):
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
+class MediaConfig(ConfigModel):
+    """``[data.media]``: limits applied once, when the dataset role decodes a prompt's images, audio and video; an item outside them is cut down to fit or, where that cannot be done, its prompt is skipped with the reason logged."""
+
+    max_pixels: PositiveInt = 512 * 512
+    """Largest image or video frame, in pixels (height x width); bigger ones are scaled down, aspect ratio kept."""
+    min_pixels: PositiveInt = 28 * 28
+    """Smallest image or video frame, in pixels; smaller ones are scaled up (vision towers need at least one 28x28 patch group)."""
+    max_frames: PositiveInt = 32
+    """Most frames a video keeps after sampling at `video_fps`; longer clips are thinned evenly (or refused when `truncate` is false)."""
+    video_fps: PositiveFloat = 2.0
+    """Frames per second sampled from a video whose frame rate is known."""
+    max_audio_seconds: PositiveFloat = 30.0
+    """Longest audio clip, in seconds; longer ones are cut (or refused when `truncate` is false)."""
+    sample_rate: PositiveInt = 16_000
+    """Rate in Hz every audio clip is resampled to (the processor's feature extractor expects it)."""
+    max_bytes: PositiveInt = 64 * 1024 * 1024
+    """Largest media item, in bytes (encoded source and decoded pixels alike)."""
+    resample: bool = True
+    """Resample audio at another rate; false refuses it."""
+    truncate: bool = True
+    """Cut long audio and thin long videos; false refuses them."""
+
+    @model_validator(mode="after")
+    def _pixels_ordered(self) -> MediaConfig:
+        if self.min_pixels > self.max_pixels:
+            problems = Problems()
+            problems.add(
+                "min_pixels",
+                f"must not exceed max_pixels ({self.max_pixels}), got {self.min_pixels}",
+            )
+            problems.raise_if_any()
+        return self
+
+
 class DataConfig(ConfigModel):
     """``[data]``: what the prompts are. (``[dataset]`` says how the role serving them runs.)
 
@@ -297,7 +332,9 @@ class DataConfig(ConfigModel):
     n_samples_per_prompt: PositiveInt = 4
     """Group size: responses generated per prompt (group baselines like GRPO need at least 2)."""
     max_prompt_tokens: PositiveInt = 256
-    """Prompts longer than this many tokens are skipped (and counted)."""
+    """Prompts longer than this many tokens are skipped (and counted). Media placeholders count: an image is as many tokens as the processor gives it."""
+    media: MediaConfig = MediaConfig()
+    """Limits of images, audio and video in prompts (see `[data.media]`)."""
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:

@@ -360,6 +360,8 @@ class TrainerConfig(RoleConfig):
     """Gradients are rescaled so their global norm is at most this."""
     micro_batch_size: PositiveInt = 4
     """Samples per forward/backward pass on one rank; gradients accumulate until `global_batch_size`."""
+    max_sample_tokens: PositiveInt | None = None
+    """Most tokens one sample may hold, prompt and response, media placeholders included (an image costs as many tokens as its processor gives it); the group of a larger sample is dropped as "oversized" (counted on the bus, never trained) instead of running a step out of memory. Unset: no limit."""
     global_batch_size: PositiveInt = 16
     """Samples per optimiser step, across all ranks; a multiple of `micro_batch_size` times `gang` and of `data.n_samples_per_prompt`."""
     steps: PositiveInt = 100

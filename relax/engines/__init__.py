@@ -6,6 +6,12 @@
     gens = await engine.generate([prompt_ids], max_new_tokens=32, stop_token_ids=[...], n=4)
     await engine.load_weights(1, trainer_state_dict)
 
+Multimodal (``ModelInitConfig(arch="qwen2_5_omni")`` or a Qwen2.5-Omni/-VL folder):
+``load_processor(folder)`` turns text + media into ``input_ids`` and media tensors;
+``engine.generate([ids], ..., mm_inputs=[media])`` samples with them; ``collate_mm_inputs``
+batches media the same way for a training forward, and ``suppressed_token_ids(model)`` are the
+ids both sides mask (the media placeholders).
+
 This package sits on the engines floor: it imports torch, transformers, tokenizers and
 ``relax.errors``/``relax.config`` only.
 """
@@ -20,7 +26,7 @@ from relax.engines._base import (
     SamplingParams,
     StateDict,
 )
-from relax.engines._hf import HFEngine
+from relax.engines._hf import HFEngine, MediaInputs
 from relax.engines._models import (
     BYTE_TOKENIZER,
     CHAT_TEMPLATE,
@@ -34,7 +40,15 @@ from relax.engines._models import (
     stop_token_ids,
     torch_dtype,
 )
+from relax.engines._multimodal import (
+    collate_mm_inputs,
+    is_multimodal,
+    load_processor,
+    processor_kwargs,
+    suppressed_token_ids,
+)
 from relax.engines._select import open_engine
+from relax.engines._video_processor import enable_video_without_torchvision
 
 __all__ = [
     "BYTE_TOKENIZER",
@@ -45,15 +59,22 @@ __all__ = [
     "Generation",
     "GenerationEngine",
     "HFEngine",
+    "MediaInputs",
     "SamplingParams",
     "StateDict",
     "build_byte_tokenizer",
     "build_tiny_model",
     "check_vocab",
+    "collate_mm_inputs",
+    "enable_video_without_torchvision",
+    "is_multimodal",
     "load_policy",
+    "load_processor",
     "load_tokenizer",
     "open_engine",
     "pad_token_id",
+    "processor_kwargs",
     "stop_token_ids",
+    "suppressed_token_ids",
     "torch_dtype",
 ]

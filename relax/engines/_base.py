@@ -175,12 +175,19 @@ class GenerationEngine(abc.ABC):
         stop_token_ids: Sequence[int] = (),
         n: int = 1,
         seed: int | Sequence[int] | None = None,
+        mm_inputs: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
     ) -> list[Generation]:
         """Sample ``n`` responses per prompt.
 
         ``seed``: one int seeds the whole call; a sequence gives each prompt its own seed, so a
         prompt's samples do not depend on which other prompts share the batch (a retried prompt
         reproduces its samples).
+
+        ``mm_inputs``: for a multimodal model, each prompt's processed media (the processor's
+        outputs other than ``input_ids`` / ``attention_mask``, e.g. ``pixel_values`` and
+        ``image_grid_thw``), or ``None`` for a prompt without media; the prompt's ids hold the
+        matching placeholder tokens. An engine that serves no media raises ``EngineError`` for
+        any media given.
 
         Returns ``len(prompts) * n`` generations, grouped by prompt: prompt ``i``'s samples are
         at ``i * n … i * n + n - 1`` (with ``index`` 0 … n - 1).

@@ -15,6 +15,14 @@ How it works, and why:
 - **Logprobs of what was sampled.** Each token is drawn from the processed distribution
   (temperature, then top-k, then top-p, renormalised) and its logprob is read from that same
   distribution — the behaviour policy's logprob by construction (see ``relax.engines._base``).
+- **Media.** A multimodal model (e.g. a Qwen2.5-Omni thinker) takes each prompt's processed
+  media (``mm_inputs``), checked against the prompt's placeholder tokens first; the prefill runs
+  them batched (``collate_mm_inputs``, each of a prompt's ``n`` rows repeating its media). An
+  M-RoPE model computes its 3-D prompt positions itself in that prefill; the offsets it reports
+  (``rope_deltas``) are captured there, and every decode step passes its positions explicitly
+  (text position + offset), so nothing depends on state the model keeps between calls. Tokens the
+  model's generation config suppresses (media placeholders) are masked to ``-inf`` before
+  sampling, so they are never drawn and the logprobs are those of the masked distribution.
 - **Atomic weights.** A generation and a weight load never overlap: both take an
   ``asyncio.Lock`` (waiting never blocks the loop) and a ``threading.Lock`` inside the worker (a
   cancelled caller's thread keeps running, and still excludes a swap). An *interruptible* engine
@@ -31,6 +39,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -46,6 +55,21 @@ from relax.engines._base import (
     with_rates,
 )
 from relax.engines._models import load_policy, pad_token_id
+from relax.engines._multimodal import (
+    MediaSpec,
+    collate_mm_inputs,
+    reset_rope_deltas,
+    rope_deltas,
+    suppressed_token_ids,
+    uses_mrope,
+)
+
+MediaInputs = Mapping[str, torch.Tensor]
+"""One prompt's processed media: the processor's outputs other than ``input_ids`` /
+``attention_mask`` (``pixel_values``, ``image_grid_thw``, ``input_features``, ...)."""
+
+_Job = tuple[list[int], int, int | None, dict[str, torch.Tensor] | None]
+"""One sequence to decode: (prompt ids, sample index, row seed, the prompt's media)."""
 
 
 class HFEngine(GenerationEngine):
@@ -53,7 +77,10 @@ class HFEngine(GenerationEngine):
 
     ``model`` is owned by the engine from now on: only the arguments of ``generate`` decide how
     to sample (a checkpoint's generation config — its ``top_k = 50`` or EOS — never leaks in).
-    ``interruptible``: weight updates land between two tokens of a generation in flight.
+    ``interruptible``: weight updates land between two tokens of a generation in flight (for
+    prompts with media too: their positions are fixed at the prefill, whatever the weights).
+    The one thing of the checkpoint's generation config kept is ``suppress_tokens``: those ids
+    are never sampled (see ``suppressed_token_ids``).
     """
 
     def __init__(
@@ -68,14 +95,25 @@ class HFEngine(GenerationEngine):
     ) -> None:
         if max_batch_size < 1:
             raise EngineError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        suppressed = suppressed_token_ids(model)
         self.model = model.eval()
-        self.model.generation_config = GenerationConfig(pad_token_id=pad_token_id)
+        self.model.generation_config = GenerationConfig(
+            pad_token_id=pad_token_id, suppress_tokens=suppressed or None
+        )
         self.tokenizer = tokenizer
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self._device = next(model.parameters()).device
         self._vocab_size = model.get_input_embeddings().num_embeddings
-        self._max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
+        text_config = model.config.get_text_config()
+        self._max_positions: int | None = getattr(text_config, "max_position_embeddings", None)
+        self.suppressed_token_ids = suppressed
+        """Ids never sampled (masked to ``-inf``): the checkpoint's ``suppress_tokens``."""
+        self._suppressed = (
+            torch.tensor(suppressed, dtype=torch.long, device=self._device) if suppressed else None
+        )
+        self._media = MediaSpec.from_model(model)
+        self._mrope = uses_mrope(model)
         self._version = version
         self._lock: asyncio.Lock | None = None
         self._thread_lock = threading.Lock()
@@ -93,6 +131,11 @@ class HFEngine(GenerationEngine):
             "weight_load_seconds": 0.0,
             "interrupted_loads": 0,
         }
+
+    @property
+    def multimodal(self) -> bool:
+        """Whether the model takes media (``mm_inputs``)."""
+        return self._media is not None
 
     @classmethod
     def from_pretrained(
@@ -137,7 +180,11 @@ class HFEngine(GenerationEngine):
         stop_token_ids: Sequence[int] = (),
         n: int = 1,
         seed: int | Sequence[int] | None = None,
+        mm_inputs: Sequence[MediaInputs | None] | None = None,
     ) -> list[Generation]:
+        """See ``GenerationEngine.generate``. ``mm_inputs[i]``: prompt ``i``'s processed media
+        (``None`` for none), matching the placeholder tokens in ``prompts[i]``; ``EngineError``
+        when it does not, or when the model takes no media."""
         params, seeds = sampling_request(
             prompts,
             seed,
@@ -149,10 +196,11 @@ class HFEngine(GenerationEngine):
             n=n,
         )
         checked = [self._check_prompt(i, p, max_new_tokens) for i, p in enumerate(prompts)]
+        media = self._check_media(checked, mm_inputs)
         if not checked:
             return []
         async with self._async_lock():
-            return await asyncio.to_thread(self._generate_sync, checked, params, seeds)
+            return await asyncio.to_thread(self._generate_sync, checked, params, seeds, media)
 
     async def load_weights(self, version: int, state_dict: StateDict) -> None:
         items = list(state_dict.items()) if isinstance(state_dict, Mapping) else list(state_dict)
@@ -173,16 +221,44 @@ class HFEngine(GenerationEngine):
     def _check_prompt(self, i: int, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
         return check_prompt(i, prompt, max_new_tokens, self._vocab_size, self._max_positions)
 
+    def _check_media(
+        self, prompts: list[list[int]], mm_inputs: Sequence[MediaInputs | None] | None
+    ) -> list[dict[str, torch.Tensor] | None]:
+        """Each prompt's media, checked against its placeholders (``None``: no media)."""
+        if mm_inputs is not None:
+            if isinstance(mm_inputs, Mapping) or len(mm_inputs) != len(prompts):
+                got = "a dict" if isinstance(mm_inputs, Mapping) else f"{len(mm_inputs)} entries"
+                raise EngineError(
+                    f"mm_inputs must have one entry (or None) per prompt: {got} for"
+                    f" {len(prompts)} prompts"
+                )
+            if self._media is None and any(m for m in mm_inputs):
+                first = next(i for i, m in enumerate(mm_inputs) if m)
+                raise EngineError(
+                    f"mm_inputs[{first}] has media, but the model is text-only"
+                    f" ({type(self.model).__name__})"
+                )
+        if self._media is None:
+            return [None] * len(prompts)
+        given = list(mm_inputs) if mm_inputs is not None else [None] * len(prompts)
+        return [
+            self._media.check(i, p, m) for i, (p, m) in enumerate(zip(prompts, given, strict=True))
+        ]
+
     def _generate_sync(
-        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seeds: list[int] | None,
+        media: list[dict[str, torch.Tensor] | None],
     ) -> list[Generation]:
         with self._thread_lock:
             with self._pending_lock:
                 self._generating = True
             try:
                 started = time.perf_counter()
-                jobs = [
-                    (prompt, k, None if seeds is None else _row_seed(seeds[i], k))
+                jobs: list[_Job] = [
+                    (prompt, k, None if seeds is None else _row_seed(seeds[i], k), media[i])
                     for i, prompt in enumerate(prompts)
                     for k in range(params.n)
                 ]
@@ -212,7 +288,7 @@ class HFEngine(GenerationEngine):
     @torch.inference_mode()
     def _generate_batch(
         self,
-        jobs: list[tuple[list[int], int, int | None]],
+        jobs: list[_Job],
         params: SamplingParams,
         shared: torch.Generator | None,
     ) -> list[Generation]:
@@ -223,22 +299,28 @@ class HFEngine(GenerationEngine):
         """
         device, pad = self._device, self.pad_token_id
         size = len(jobs)
-        width = max(len(prompt) for prompt, _, _ in jobs)
+        width = max(len(prompt) for prompt, *_ in jobs)
         input_ids = torch.full((size, width), pad, dtype=torch.long)
         attention = torch.zeros((size, width), dtype=torch.long)
-        for row, (prompt, _, _) in enumerate(jobs):
+        for row, (prompt, *_) in enumerate(jobs):
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
             attention[row, width - len(prompt) :] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         rows_rng = None
         if jobs[0][2] is not None:
-            rows_rng = [torch.Generator(device=device).manual_seed(s) for _, _, s in jobs]
-        out = self.model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True
-        )
+            rows_rng = [torch.Generator(device=device).manual_seed(s) for _, _, s, _ in jobs]
+        if self._media is None:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention,
+                position_ids=positions,
+                use_cache=True,
+            )
+            next_position = positions[:, -1:] + 1
+        else:
+            out, next_position = self._prefill_media(input_ids, attention, positions, jobs)
         cache, logits = out.past_key_values, out.logits[:, -1, :].float()
-        next_position = positions[:, -1:] + 1
         stops = torch.tensor(sorted(params.stop_token_ids), dtype=torch.long, device=device)
         tokens: list[torch.Tensor] = []
         logprobs: list[torch.Tensor] = []
@@ -246,6 +328,8 @@ class HFEngine(GenerationEngine):
         done = torch.zeros(size, dtype=torch.bool, device=device)
         ended_at = torch.full((size,), params.max_new_tokens, dtype=torch.long)
         for step in range(params.max_new_tokens):
+            if self._suppressed is not None:
+                logits = logits.index_fill(-1, self._suppressed, -math.inf)
             # The logits came from the weights served now: that is this token's version.
             token, logprob = _sample(logits, params, shared, rows_rng)
             tokens.append(token)
@@ -275,7 +359,7 @@ class HFEngine(GenerationEngine):
         stop_set = set(params.stop_token_ids)
         all_logprobs = torch.stack(logprobs, 1).cpu()
         result = []
-        for row, (prompt, index, _) in enumerate(jobs):
+        for row, (prompt, index, *_) in enumerate(jobs):
             end = min(int(ended_at[row]), all_tokens.shape[1])
             ids, row_versions = all_tokens[row, :end].tolist(), versions[:end]
             result.append(
@@ -290,6 +374,47 @@ class HFEngine(GenerationEngine):
                 )
             )
         return result
+
+    def _prefill_media(
+        self,
+        input_ids: torch.Tensor,
+        attention: torch.Tensor,
+        positions: torch.Tensor,
+        jobs: list[_Job],
+    ) -> tuple[Any, torch.Tensor]:
+        """The prefill of a multimodal model, with the rows' media; returns its output and the
+        position ids of the next token (``[3, batch, 1]`` for an M-RoPE model)."""
+        media = collate_mm_inputs([m for *_, m in jobs])
+        # As the processor made them (the towers cast to their own dtype): a training forward
+        # given the same tensors computes the same features.
+        kwargs: dict[str, Any] = {key: value.to(self._device) for key, value in media.items()}
+        if self._mrope:
+            # The model computes the 3-D positions of prompt + media (and their offsets) itself
+            # when it gets no position ids; stale offsets of an earlier call must not leak in.
+            reset_rope_deltas(self.model)
+        else:
+            kwargs["position_ids"] = positions
+        try:
+            out = self.model(
+                input_ids=input_ids, attention_mask=attention, use_cache=True, **kwargs
+            )
+        except torch.OutOfMemoryError:
+            raise
+        except (IndexError, ValueError, RuntimeError, TypeError) as exc:
+            if not media:
+                raise
+            raise EngineError(f"the model refused the prompts' media: {exc}") from exc
+        if not self._mrope:
+            return out, positions[:, -1:] + 1
+        deltas = rope_deltas(out, self.model)
+        if deltas is None:
+            raise EngineError(
+                f"{type(self.model).__name__} uses multimodal rotary positions but reported no"
+                " rope_deltas after the prefill"
+            )
+        text_position = attention.sum(-1, keepdim=True)  # of the next token, padding excluded
+        next_position = text_position + deltas.to(device=attention.device, dtype=torch.long)
+        return out, next_position.unsqueeze(0).expand(3, -1, -1)
 
     # ------------------------------------------------------------------ weights
 

@@ -6,8 +6,10 @@
 - ``build_tiny_model(init, directory)``: a seeded, randomly initialised Qwen2 or Llama causal LM
   from ``[model.init]``, saved with ``save_pretrained`` next to the byte tokenizer, so the folder
   is an ordinary Hugging Face checkpoint (loadable by ``from_pretrained`` and by vLLM).
+  ``arch = "qwen2_5_omni"`` builds a tiny Qwen2.5-Omni thinker and its processor instead.
 - ``load_policy(path, dtype)`` / ``load_tokenizer(path)``: load any local HF model folder — the
-  tiny one takes exactly the same path as a real checkpoint.
+  tiny one takes exactly the same path as a real checkpoint (a multimodal one too;
+  ``load_processor`` gives its processor).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from transformers import (
 
 from relax.config import ModelInitConfig
 from relax.engines._base import EngineError
+from relax.engines._multimodal import policy_class
 from relax.errors import ConfigError, ConfigIssue
 
 log = logging.getLogger(__name__)
@@ -230,7 +233,25 @@ def build_tiny_model(
     tokenizer (the byte tokenizer unless one is given), so ``load_policy`` — and vLLM — load it
     like any checkpoint. The same ``init`` (seed included) always gives the same weights, and
     the global torch RNG is left untouched.
+
+    ``arch = "qwen2_5_omni"`` builds a Qwen2.5-Omni thinker instead (text decoder of these sizes,
+    tiny vision and audio towers; vocabulary = its tokenizer's, ``vocab_size`` unused) and saves
+    its processor too (see ``relax.engines._omni``); ``load_processor`` loads it.
     """
+    if init.arch == "qwen2_5_omni":
+        if tokenizer is not None:
+            raise ConfigError(
+                [
+                    ConfigIssue(
+                        "model.tokenizer",
+                        "cannot be set with model.init.arch = 'qwen2_5_omni', which builds its"
+                        " own tokenizer (the byte tokenizer plus the media tokens)",
+                    )
+                ]
+            )
+        from relax.engines._omni import build_tiny_omni
+
+        return build_tiny_omni(init, directory)
     tokenizer = (
         tokenizer if tokenizer is not None else build_byte_tokenizer(init.max_position_embeddings)
     )
@@ -270,6 +291,9 @@ def load_policy(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a local HF causal-LM folder and its tokenizer, in eval mode.
 
+    A multimodal folder loads with the class its ``config.json`` names (an omni checkpoint as its
+    text thinker; see ``policy_class``); its processor comes from ``load_processor``.
+
     ``tokenizer`` overrides where the tokenizer comes from (a folder or ``"byte"``); by default
     it is the model folder. Raises ``ConfigError`` when the folder is missing or the model's
     vocabulary cannot hold the tokenizer's ids.
@@ -282,7 +306,7 @@ def load_policy(
     tok = load_tokenizer(
         tokenizer if tokenizer is not None else folder, trust_remote_code=trust_remote_code
     )
-    model = AutoModelForCausalLM.from_pretrained(
+    model = policy_class(folder).from_pretrained(
         folder, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
     )
     check_vocab(model.get_input_embeddings().num_embeddings, tok, key="model.path")

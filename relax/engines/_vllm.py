@@ -308,7 +308,12 @@ class VLLMEngine(GenerationEngine):
         stop_token_ids: Sequence[int] = (),
         n: int = 1,
         seed: int | Sequence[int] | None = None,
+        mm_inputs: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> list[Generation]:
+        if mm_inputs is not None and any(m for m in mm_inputs):
+            raise EngineError(
+                "the vLLM engine does not serve media yet; use engine = 'hf' for multimodal prompts"
+            )
         params, seeds = sampling_request(
             prompts,
             seed,

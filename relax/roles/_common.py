@@ -9,6 +9,7 @@ from typing import Any
 from relax.bus import BusClient
 from relax.config import ClusterConfig
 from relax.errors import BusError
+from relax.media import mm_from_wire
 
 
 def cluster_config(config: dict[str, Any]) -> ClusterConfig:
@@ -35,14 +36,17 @@ def as_list(value: Any) -> list[Any]:
 
 
 def training_row(row: dict[str, Any], columns: tuple[str, ...]) -> dict[str, Any]:
-    """A bus row as a training backend's ``Row``: its ``columns``, and its ``loss_mask`` when
-    it has one (multi-turn rows: observations are conditioned on, never trained on)."""
+    """A bus row as a training backend's ``Row``: its ``columns``, its ``loss_mask`` when it
+    has one (multi-turn rows: observations are conditioned on, never trained on) and its
+    ``mm_inputs`` when its prompt has media."""
     cols = row["columns"]
     out: dict[str, Any] = {"group": row["group"], "uid": row["uid"]}
     for name in columns:
         out[name] = float(cols[name]) if name == "reward" else as_list(cols[name])
     if cols.get("loss_mask") is not None:
         out["loss_mask"] = as_list(cols["loss_mask"])
+    if cols.get("mm_inputs") is not None:  # the prompt's media, as the rollout saw them
+        out["mm_inputs"] = mm_from_wire(cols["mm_inputs"])
     return out
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from relax.actors import Actor
-from relax.engines import load_tokenizer
+from relax.engines import load_processor, load_tokenizer
+from relax.media import MediaError, media_limits
 from relax.roles._common import cluster_config, connect_bus
 from relax.roles._prompts import prompt_row, prompt_stream
 
@@ -25,10 +26,16 @@ class DatasetRole(Actor):
         self.prompts_url, self.model_dir = prompts_url, model_dir
         self.position_file = Path(run_dir, "dataset.position.json")
         self.skipped = 0
+        self.media_errors = 0
 
     def statistics(self) -> dict[str, int]:
-        """Prompts served position and prompts skipped for length (since this start)."""
-        return {"position": self._position(), "skipped_too_long": self.skipped}
+        """Prompts served position, and prompts skipped for length or bad media (since this
+        start)."""
+        return {
+            "position": self._position(),
+            "skipped_too_long": self.skipped,
+            "skipped_bad_media": self.media_errors,
+        }
 
     def _position(self) -> int:
         if self.position_file.exists():
@@ -43,11 +50,27 @@ class DatasetRole(Actor):
     async def run(self) -> None:
         data = self.cfg.data
         tokenizer = load_tokenizer(self.model_dir)
+        processor = load_processor(self.model_dir)  # None for a text-only model
+        limits = media_limits(data.media)
         start = self._position()
         stream = itertools.islice(prompt_stream(data.model_dump()), start, None)
         async with await connect_bus(self.prompts_url, self.cfg, "dataset") as bus:
             for position, item in enumerate(stream, start):
-                row = prompt_row(item, tokenizer, data.max_prompt_tokens)
+                try:
+                    row = prompt_row(
+                        item,
+                        tokenizer,
+                        data.max_prompt_tokens,
+                        processor=processor,
+                        limits=limits,
+                    )
+                except MediaError as exc:  # one bad sample: skip it, say why, go on
+                    self.media_errors += 1
+                    self.log.warning(
+                        "prompt with bad media skipped", id=item["id"], reason=str(exc)
+                    )
+                    self._save(position + 1)
+                    continue
                 if row is None:
                     self.skipped += 1
                     self.log.warning(

@@ -1,7 +1,8 @@
 """Where prompts come from: a JSONL or Parquet file, a user's generator, or the built-in arithmetic task.
 
 Each prompt is a dict with a stable ``id`` (the group id of its samples, so a retried prompt
-regenerates the same uids and the bus deduplicates), the ``prompt`` text and the ``answer``.
+regenerates the same uids and the bus deduplicates), the ``prompt`` (text, or chat messages
+whose content parts may hold images, audio and video) and the ``answer``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from relax.agents import prompt_ids as agent_prompt_ids
+from relax.agents import render
 from relax.errors import ConfigError
+from relax.media import MediaError, has_media, process_prompt
 
 
 def arithmetic_task(seed: int = 0, *, max_operand: int = 9) -> Iterator[dict[str, Any]]:
@@ -104,16 +108,42 @@ def prompt_stream(data: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def prompt_row(
-    item: dict[str, Any], tokenizer: Any, max_prompt_tokens: int
+    item: dict[str, Any],
+    tokenizer: Any,
+    max_prompt_tokens: int,
+    *,
+    processor: Any = None,
+    limits: Any = None,
 ) -> dict[str, Any] | None:
     """A stream item as a prompt-bus row; ``None`` when the prompt is longer than
-    ``max_prompt_tokens`` (skipped: a cut prompt would ask a different question)."""
-    ids = tokenizer.encode(item["prompt"], add_special_tokens=False)
+    ``max_prompt_tokens`` (skipped: a cut prompt would ask a different question).
+
+    The prompt is text (encoded as is) or chat messages (rendered with the chat template). A
+    prompt with images, audio or video is decoded once, within ``limits``, and run through the
+    model's ``processor`` once: the row carries its ``prompt_ids`` (media placeholders
+    included, so they count against ``max_prompt_tokens``) and the processed ``mm_inputs`` the
+    rollout generates with and the trainer trains with. Bad media raise ``MediaError``.
+    """
+    prompt = item["prompt"]
+    columns: dict[str, Any] = {"answer": item["answer"]}
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        columns["text"] = prompt
+    elif has_media(prompt) or processor is not None:
+        if processor is None:
+            raise MediaError(
+                "prompt", item["id"], "it has media, but the model has no processor for them"
+            )
+        processed = process_prompt(processor, prompt, limits, item=str(item["id"]))
+        ids = processed.prompt_ids
+        columns["text"] = processed.text
+        if processed.mm_inputs:
+            columns["mm_inputs"] = processed.mm_inputs
+            columns["media_tokens"] = processed.media_tokens
+    else:
+        ids = agent_prompt_ids(tokenizer, prompt)
+        columns["text"] = render(tokenizer, prompt)
     if len(ids) > max_prompt_tokens:
         return None
-    return {
-        "uid": item["id"],
-        "group": item["id"],
-        "version": 0,
-        "columns": {"prompt_ids": ids, "answer": item["answer"], "text": item["prompt"]},
-    }
+    columns["prompt_ids"] = list(ids)
+    return {"uid": item["id"], "group": item["id"], "version": 0, "columns": columns}

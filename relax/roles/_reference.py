@@ -23,7 +23,7 @@ import torch
 
 from relax.actors import Actor
 from relax.engines import load_policy
-from relax.roles._common import as_list, cluster_config, connect_bus, write_once
+from relax.roles._common import cluster_config, connect_bus, training_row, write_once
 from relax.training import Row, pack_batch, response_values, sequence_logprobs
 
 TAKE_ROWS = 64
@@ -58,6 +58,7 @@ def reference_logprobs(
                     "logprobs": [0.0] * len(rows[i]["response_ids"]),
                     "reward": 0.0,
                     "group": i,
+                    "mm_inputs": rows[i].get("mm_inputs"),
                 }
                 for i in chunk
             ],
@@ -122,18 +123,13 @@ class ReferenceRole(Actor):
                     "reference",
                     batch_size=TAKE_ROWS,
                     columns=["prompt_ids", "response_ids"],
+                    optional=["mm_inputs"],
                     wait=1.0,
                 ) as batch:
                     if not batch.rows:
                         continue
                     started = time.monotonic()
-                    rows = [
-                        {
-                            "prompt_ids": as_list(r["columns"]["prompt_ids"]),
-                            "response_ids": as_list(r["columns"]["response_ids"]),
-                        }
-                        for r in batch.rows
-                    ]
+                    rows = [training_row(r, ("prompt_ids", "response_ids")) for r in batch.rows]
                     # Off the event loop: heartbeats must keep flowing during the forward.
                     scored = await asyncio.to_thread(self._score, rows)
                     self.already_written += await write_once(

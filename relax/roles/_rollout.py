@@ -45,6 +45,7 @@ from relax.engines import (
     open_engine,
     stop_token_ids,
 )
+from relax.media import mm_from_wire
 from relax.roles._common import as_list, cluster_config, connect_bus, prompt_seed
 from relax.roles._episodes import env_rows, program_rows
 
@@ -55,6 +56,14 @@ async def generate_groups(
     """``data.n_samples_per_prompt`` samples of each prompt row, as ``[rollout]`` says, each
     prompt seeded by its id (see the module docstring)."""
     rollout = cfg.rollout
+    media = [r["columns"].get("mm_inputs") for r in prompts]
+    # Media travel with their prompt as processed once by the dataset role: the engine sees
+    # the very tensors the trainer will.
+    extra = (
+        {"mm_inputs": [None if m is None else mm_from_wire(m) for m in media]}
+        if any(m is not None for m in media)
+        else {}
+    )
     return await engine.generate(
         [as_list(r["columns"]["prompt_ids"]) for r in prompts],
         max_new_tokens=rollout.max_new_tokens,
@@ -66,6 +75,7 @@ async def generate_groups(
         seed=None
         if rollout.seed is None
         else [prompt_seed(rollout.seed, r["uid"]) for r in prompts],
+        **extra,
     )
 
 
@@ -340,6 +350,8 @@ class RolloutRole(Actor):
                     "logprobs": list(g.logprobs),
                     "answer": row["columns"]["answer"],
                 }
+                if "mm_inputs" in row["columns"]:  # the same processed media, for training
+                    columns["mm_inputs"] = row["columns"]["mm_inputs"]
                 if g.token_versions is not None:
                     columns["token_versions"] = list(g.token_versions)
                 rows.append(

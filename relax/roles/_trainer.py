@@ -57,8 +57,8 @@ def train_columns(cfg: ClusterConfig) -> tuple[str, ...]:
     return tuple(columns)
 
 
-EPISODE_COLUMNS = ("loss_mask", "turns", "episode_end", "success")
-"""Columns multi-turn rows add: the trainer takes them when a row has them."""
+OPTIONAL_COLUMNS = ("loss_mask", "turns", "episode_end", "success", "mm_inputs")
+"""Columns some rows have (multi-turn episodes, media prompts): taken when present."""
 
 
 def train_row(row: dict[str, Any], columns: tuple[str, ...]) -> dict[str, Any]:
@@ -250,7 +250,8 @@ class TrainerRole(Actor):
             min_rows=size,
             whole_groups=True,
             columns=list(columns),
-            optional=list(EPISODE_COLUMNS),
+            optional=list(OPTIONAL_COLUMNS),
+            max_row_tokens=cfg.trainer.max_sample_tokens,
             wait=5.0,
         ) as batch:
             if not batch.rows:

@@ -48,6 +48,10 @@ class Batch:
     """``[batch, seq - 1]`` reference-model log-probs, when the rows carry them."""
     values: torch.Tensor | None = None
     """``[batch, seq - 1]`` critic values per response token, when the rows carry them."""
+    mm_inputs: tuple[dict[str, torch.Tensor] | None, ...] = ()
+    """Per row, the processor's media inputs of its prompt (pixel values, grids, audio
+    features …) exactly as the rollout generated with them; ``()`` when no row has media.
+    The forward pass collates them (``relax.engines.collate_mm_inputs``)."""
 
     @property
     def size(self) -> int:
@@ -86,6 +90,7 @@ class Batch:
             lengths=self.lengths[rows],
             ref_logprobs=cut(self.ref_logprobs),
             values=cut(self.values),
+            mm_inputs=self.mm_inputs[rows],
         )
 
     def to(self, device: torch.device | str) -> Batch:
@@ -106,6 +111,10 @@ class Batch:
             lengths=self.lengths.to(device),
             ref_logprobs=move(self.ref_logprobs),
             values=move(self.values),
+            mm_inputs=tuple(
+                None if mm is None else {k: v.to(device) for k, v in mm.items()}
+                for mm in self.mm_inputs
+            ),
         )
 
 
@@ -134,8 +143,9 @@ def pack_batch(rows: Sequence[Row], pad_id: int) -> Batch:
     policy's log-prob of each response token), ``reward`` (float) and ``group`` (the prompt's
     group id, any hashable; compared as a string). Optional: ``loss_mask`` (0/1 per response
     token; 0 excludes a token from the loss, e.g. tool output in a multi-turn row),
-    ``ref_logprobs`` and ``values`` (per response token). An optional column must be on every
-    row or on none, since a batch cannot train half its rows against a reference.
+    ``ref_logprobs`` and ``values`` (per response token), ``mm_inputs`` (the prompt's media
+    inputs: a dict of tensors, or None for a text row). An optional per-token column must be on
+    every row or on none, since a batch cannot train half its rows against a reference.
 
     Raises ``ValueError`` on an empty batch, a malformed row or a partially present column.
     """
@@ -198,6 +208,9 @@ def pack_batch(rows: Sequence[Row], pad_id: int) -> Batch:
         lengths=torch.tensor(lengths, dtype=torch.long),
         ref_logprobs=extra.get("ref_logprobs"),
         values=extra.get("values"),
+        mm_inputs=tuple(r.get("mm_inputs") or None for r in rows)
+        if any(r.get("mm_inputs") for r in rows)
+        else (),
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from relax.algos import entropy_from_logits, logprobs_from_logits
+from relax.engines._multimodal import collate_mm_inputs, suppressed_token_ids
 from relax.training._batch import Batch
 
 
@@ -26,14 +27,23 @@ def forward_logprobs(
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}")
+    media = collate_mm_inputs(batch.mm_inputs) if batch.mm_inputs else {}
     out = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         use_cache=False,
+        **media,
     )
     logits = out.logits[:, :-1]
     if temperature != 1.0:
         logits = logits / temperature
+    banned = suppressed_token_ids(getattr(model, "module", model))  # a DeepSpeed engine wraps
+    if banned:
+        # The rollout never samples these (media placeholders): score the same distribution.
+        # The dtype's lowest finite value, not -inf: it underflows to probability 0 all the
+        # same, and the entropy's p * z stays 0 instead of 0 * -inf = NaN.
+        lowest = torch.finfo(logits.dtype).min
+        logits = logits.index_fill(-1, torch.tensor(banned, device=logits.device), lowest)
     targets = batch.input_ids[:, 1:]
     logprobs = logprobs_from_logits(logits, targets)
     on = batch.response_mask > 0

@@ -198,6 +198,12 @@ def micro_batch_loss(
 
     loss = policy_loss
     metrics = dict(metrics)
+    # Training/inference mismatch: how far the trainer's log-probs of the sampled tokens are
+    # from the sampler's. With fresh weights it is numerical noise; more means the two saw
+    # different inputs (pixels, positions, masks) or weights.
+    gap = torch.where(mask > 0, old - behaviour, torch.zeros_like(old))
+    metrics["mismatch_max"] = gap.abs().max() if gap.numel() else gap.new_zeros(())
+    metrics["mismatch_kl"] = masked_mean(torch.expm1(-gap) + gap, mask)
     if mb.ref_logprobs is not None:
         kl_term, kl_metrics = kl_loss(logprobs, mb.ref_logprobs, mask, cfg.kl.estimator, agg=agg)
         metrics.update(kl_metrics)

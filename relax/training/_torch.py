@@ -29,7 +29,7 @@ log = logging.getLogger("relax.training")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Metrics that are maxima over micro-batches rather than weighted means.
-_MAX_METRICS = frozenset({"ratio_max"})
+_MAX_METRICS = frozenset({"ratio_max", "mismatch_max"})
 
 
 def _non_finite_inputs(batch: Batch) -> str | None:

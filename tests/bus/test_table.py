@@ -99,6 +99,18 @@ def test_whole_groups_only_and_token_budget() -> None:
     )  # larger than the whole budget: rejected, not stuck
 
 
+def test_a_group_with_a_sample_over_max_row_tokens_is_dropped_as_oversized() -> None:
+    t = table(tasks=("train",))
+    big = rows("big", 2, response_ids=[1] * 5)
+    big[1]["columns"]["response_ids"] = [1] * 50  # one sample of the group is too long
+    t.put(big)
+    t.put(rows("ok", 2, response_ids=[1] * 5))
+    _, lease = t.take("train", batch_size=8, whole_groups=True, max_row_tokens=20)
+    assert lease is not None and sorted(lease.items) == ["ok-0", "ok-1"]
+    assert t.counters["dropped_oversized"] == 2  # the whole group, counted
+    assert "big" in t.dropped_groups
+
+
 def test_trainer_never_receives_stale_rows() -> None:
     t = table(tasks=("train",), staleness=1)
     t.put(rows("old", 2, version=0))
