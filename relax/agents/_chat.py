@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,12 +109,27 @@ def continuation_ids(
     end-of-turn when the reply was cut by ``max_tokens``), the new turns, and the generation
     prompt. The reply's own ids are never re-tokenised.
     """
-    base = render(tokenizer, _DUMMY, add_generation_prompt=False)
-    full = render(tokenizer, [*_DUMMY, *new_messages], add_generation_prompt=True)
+    generated = tokenizer.decode(list(reply_ids), skip_special_tokens=False)
+    text = continuation_text(
+        lambda messages, gen: render(tokenizer, messages, add_generation_prompt=gen),
+        generated,
+        new_messages,
+    )
+    return encode(tokenizer, text)
+
+
+def continuation_text(
+    render_fn: Callable[[list[Message], bool], str],
+    generated: str,
+    new_messages: Sequence[Message],
+) -> str:
+    """The text of :func:`continuation_ids`: ``render_fn(messages, add_generation_prompt)`` is
+    the chat template; ``generated`` is the model's reply as text (special tokens kept)."""
+    base = render_fn(list(_DUMMY), False)
+    full = render_fn([*_DUMMY, *new_messages], True)
     if _MARK not in base or not full.startswith(base):
         raise ChatFormatError("the chat template does not render turns as an append-only log")
     closing = base[base.index(_MARK) + len(_MARK) :]
-    generated = tokenizer.decode(list(reply_ids), skip_special_tokens=False)
     # The part of the closing the model already wrote: the longest suffix of its reply that
     # starts the closing (usually its end-of-turn token).
     done = next(
@@ -125,7 +140,7 @@ def continuation_ids(
         ),
         0,
     )
-    return encode(tokenizer, closing[done:] + full[len(base) :])
+    return closing[done:] + full[len(base) :]
 
 
 @dataclass

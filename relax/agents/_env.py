@@ -12,6 +12,12 @@ An environment is a small async object, one instance per episode::
 turn (token-in/token-out, see ``relax.agents._chat``), until ``done``, ``max_turns`` or the
 token budget. A ``step`` that raises or overruns ``tool_timeout`` ends the episode with the
 reason recorded and ``error_reward``; it never raises out of ``run_episode``.
+
+The opening and the observations may carry images, audio and video as content parts
+(``{"type": "image", "image": SRC}``, as ``relax.media.process_prompt`` takes them) when
+``run_episode`` has the model's processor: each item is decoded and processed once, its
+placeholders join the sequence and its tensors the trajectory's ``mm_inputs`` (see
+``relax.agents._media``). A bad item ends the episode as a ``tool_error`` naming it.
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from relax.agents._chat import Message, continuation_ids, encode, prompt_ids
+from relax.agents._chat import ChatFormatError, Message, continuation_ids, encode, prompt_ids
+from relax.agents._media import media_continuation, media_prompt, spelled_placeholders
 from relax.agents._sampler import Sampler
 from relax.agents._trajectory import Trajectory
+from relax.media import MediaError, MediaLimits, has_media
 
 Task = dict[str, Any]
 """What an episode is about: a dataset row's ``id``, ``prompt`` text and ``answer``."""
@@ -36,8 +44,9 @@ class Step:
     """What the environment answers to one reply."""
 
     observation: str | list[Message] | None = None
-    """The next turn: text (sent as one message of the episode's observation role), messages,
-    or None (nothing to add; only sensible with ``done``)."""
+    """The next turn: text (sent as one message of the episode's observation role), messages
+    (whose content may hold media parts, for a model with a processor), or None (nothing to
+    add; only sensible with ``done``)."""
     reward: float = 0.0
     """Reward of this step; an episode's reward is the sum over its steps."""
     done: bool = False
@@ -109,25 +118,71 @@ async def _guarded(coro: Any, timeout: float) -> tuple[Any, str | None, str]:
         return None, "tool_error", describe_failure(exc)
 
 
-def _observation_ids(
+def _observation(
     tokenizer: Any,
     reply_ids: Sequence[int],
     observation: str | list[Message],
     limits: EpisodeLimits,
-) -> list[int]:
+    processor: Any,
+    media_limits: MediaLimits,
+    item: str,
+) -> tuple[list[int], dict[str, Any] | None]:
+    """The observation's ids and the tensors of its media (``None`` without media)."""
     if not limits.chat:
+        if has_media(observation):
+            raise ChatFormatError("media observations need chat turns ([rollout.agent] chat)")
         text = (
             observation
             if isinstance(observation, str)
             else "".join(str(m.get("content", "")) for m in observation)
         )
-        return encode(tokenizer, text)
+        return encode(tokenizer, text), None
     messages = (
         [{"role": limits.observation_role, "content": observation}]
         if isinstance(observation, str)
         else list(observation)
     )
-    return continuation_ids(tokenizer, reply_ids, messages)
+    if has_media(messages):
+        _need_processor(processor)
+        out = media_continuation(processor, reply_ids, messages, media_limits, item=item)
+        return out.prompt_ids, out.mm_inputs or None
+    return continuation_ids(tokenizer, reply_ids, messages), None
+
+
+def _need_processor(processor: Any) -> None:
+    if processor is None:
+        raise ChatFormatError(
+            "the episode's messages carry media but run_episode has no processor (a text-only"
+            " model, or the processor was not passed)"
+        )
+
+
+def _opening(
+    tokenizer: Any,
+    opening: str | list[Message],
+    limits: EpisodeLimits,
+    processor: Any,
+    media_limits: MediaLimits,
+    item: str,
+) -> tuple[list[int], dict[str, Any] | None]:
+    """The first prompt's ids and the tensors of its media (``None`` without media)."""
+    if isinstance(opening, str) and not limits.chat:
+        return encode(tokenizer, opening), None
+    messages = [{"role": "user", "content": opening}] if isinstance(opening, str) else opening
+    if has_media(messages):
+        _need_processor(processor)
+        out = media_prompt(processor, messages, media_limits, item=item)
+        return out.prompt_ids, out.mm_inputs or None
+    return prompt_ids(tokenizer, messages), None
+
+
+def _spelled(processor: Any, ids: Sequence[int], media: Any) -> str | None:
+    """Why text ids cannot join the sequence: they spell out media placeholders (with media,
+    ``process_prompt`` has already matched the placeholders to the items)."""
+    found = 0 if media else spelled_placeholders(processor, ids)
+    if found:
+        return f"the text spells out {found} media placeholder token(s) with no media behind them"
+    return None
 
 
 async def run_episode(
@@ -137,29 +192,42 @@ async def run_episode(
     tokenizer: Any,
     limits: EpisodeLimits = EpisodeLimits(),
     sampling: Sampling = Sampling(),
+    *,
+    processor: Any = None,
+    media_limits: MediaLimits | None = None,
 ) -> Trajectory:
     """Play one episode of ``env`` on ``task`` with the policy behind ``sampler``.
 
     Returns the trajectory, ended (``Trajectory.end`` says why). Environment failures are
     recorded, not raised; an engine failure or a cancellation is raised (the episode cannot be
     completed; its caller decides) after the environment is closed.
+
+    ``processor`` (the model's, ``relax.engines.load_processor``) and ``media_limits``
+    (``relax.media.media_limits(cfg.data.media)``; defaults when ``None``) let the opening and
+    the observations carry media; without a processor, media parts raise ``ChatFormatError``.
     """
+    bounds = media_limits if media_limits is not None else MediaLimits()
+    item = str(task.get("id", "episode"))
     try:
         opening, end, reason = await _guarded(env.reset(task), limits.tool_timeout)
+        first: list[int] = []
+        media = None
+        if end is None:
+            try:
+                first, media = _opening(tokenizer, opening, limits, processor, bounds, item)
+            except MediaError as exc:
+                end, reason = "tool_error", str(exc)
+            else:
+                spelled = _spelled(processor, first, media)
+                if spelled is not None:
+                    end, reason = "tool_error", spelled
         if end is not None:
             prompt = encode(tokenizer, str(task.get("prompt", ""))) or [0]
             traj = Trajectory(prompt)
             traj.reward = limits.error_reward
             traj.finish(end, f"reset: {reason}")
             return traj
-        if isinstance(opening, str) and not limits.chat:
-            first = encode(tokenizer, opening)
-        else:
-            messages = (
-                [{"role": "user", "content": opening}] if isinstance(opening, str) else opening
-            )
-            first = prompt_ids(tokenizer, messages)
-        traj = Trajectory(first)
+        traj = Trajectory(first, mm_inputs=media)
         while True:
             if traj.turns >= limits.max_turns:
                 traj.finish("max_turns")
@@ -177,6 +245,8 @@ async def run_episode(
                 top_k=sampling.top_k,
                 stop_token_ids=sampling.stop_token_ids,
                 seed=seed,
+                # Only with media: a text episode calls a sampler just as it always did.
+                **({"mm_inputs": traj.mm_inputs} if traj.mm_inputs else {}),
             )
             versions = gen.token_versions if gen.token_versions is not None else gen.version
             traj.add_reply(gen.response_ids, gen.logprobs, versions)
@@ -193,12 +263,30 @@ async def run_episode(
                 break
             if step.observation is None:
                 continue
-            obs = _observation_ids(tokenizer, gen.response_ids, step.observation, limits)
+            try:
+                obs, obs_media = _observation(
+                    tokenizer,
+                    gen.response_ids,
+                    step.observation,
+                    limits,
+                    processor,
+                    bounds,
+                    f"{item} observation {traj.turns}",
+                )
+            except MediaError as exc:
+                traj.reward = limits.error_reward
+                traj.finish("tool_error", f"observation: {exc}")
+                break
+            spelled = _spelled(processor, obs, obs_media)
+            if spelled is not None:
+                traj.reward = limits.error_reward
+                traj.finish("tool_error", f"observation: {spelled}")
+                break
             if len(traj.response_ids) + len(obs) >= limits.max_tokens:
                 # No room left for a reply to it: the episode ends before the observation.
                 traj.finish("token_budget")
                 break
-            traj.add_observation(obs)
+            traj.add_observation(obs, obs_media)
         return traj
     finally:
         await _close(env, limits.tool_timeout)

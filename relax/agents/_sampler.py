@@ -6,14 +6,15 @@ engine once per reply would leave it running batches of one. The sampler keeps a
 the engine is free it takes everything waiting (grouped by sampling settings, since one engine
 call has one set) and runs it as one batch. No timer decides the batch, so an idle engine
 starts a lone request at once. Each request carries its own seed, so its reply does not depend
-on which other requests shared its batch.
+on which other requests shared its batch. A request may carry its prompt's media
+(``mm_inputs``); text and media requests share a batch (the engine takes media per prompt).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ class _Request:
     prompt: list[int]
     key: tuple[Any, ...]
     seed: int | None
+    media: Mapping[str, Any] | None = None
     done: asyncio.Future[list[Generation]] = field(repr=False, default=None)  # type: ignore[assignment]
 
 
@@ -59,8 +61,10 @@ class Sampler:
         stop_token_ids: Sequence[int] = (),
         n: int = 1,
         seed: int | None = None,
+        mm_inputs: Mapping[str, Any] | None = None,
     ) -> list[Generation]:
-        """``n`` replies to one prompt (the engine's contract, for one prompt)."""
+        """``n`` replies to one prompt (the engine's contract, for one prompt). ``mm_inputs``:
+        the processor's tensors of the media whose placeholders ``prompt`` holds."""
         # Validate here, so a bad request fails alone instead of failing the batch it joins.
         SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -71,7 +75,9 @@ class Sampler:
             n=n,
         )
         key = (max_new_tokens, temperature, top_p, top_k, tuple(stop_token_ids), n)
-        request = _Request([int(t) for t in prompt], key, seed)
+        request = _Request(
+            [int(t) for t in prompt], key, seed, dict(mm_inputs) if mm_inputs else None
+        )
         request.done = asyncio.get_running_loop().create_future()
         self._queue.append(request)
         self.stats["requests"] += 1
@@ -108,6 +114,12 @@ class Sampler:
     async def _run(self, batch: list[_Request]) -> None:
         max_new, temperature, top_p, top_k, stops, n = batch[0].key
         seeded = any(r.seed is not None for r in batch)
+        # Only a batch with media passes any: text-only engines never see the argument.
+        media = (
+            {"mm_inputs": [r.media for r in batch]}
+            if any(r.media is not None for r in batch)
+            else {}
+        )
         self.stats["engine_calls"] += 1
         self.stats["largest_batch"] = max(self.stats["largest_batch"], len(batch))
         try:
@@ -123,6 +135,7 @@ class Sampler:
                 seed=[r.seed if r.seed is not None else _fresh_seed() for r in batch]
                 if seeded
                 else None,
+                **media,
             )
         except asyncio.CancelledError:  # closing: nobody may wait forever
             for r in batch:

@@ -475,11 +475,7 @@ class AgentServer:
                 extras.append(finish)
             self.sessions.record(session_id, choices)
         usage = self._usage(prompt, choices)
-        head = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "created": int(time.time()),
-            "model": self.model_name,
-        }
+        head = self._head("chatcmpl")
         ext = self._extensions(session_id, gens, prompt)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -504,6 +500,14 @@ class AgentServer:
             {**head, "object": "chat.completion", "choices": out, "usage": usage, **ext}
         )
 
+    def _head(self, prefix: str) -> dict[str, Any]:
+        """The fields every response object (and stream chunk) of one call starts with."""
+        return {
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
+
     def _chat_logprobs(self, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
         return [
             {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
@@ -527,11 +531,7 @@ class AgentServer:
                 extras.append(finish)
             self.sessions.record(session_id, choices)
         usage = self._usage(prompt, choices)
-        head = {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "created": int(time.time()),
-            "model": self.model_name,
-        }
+        head = self._head("cmpl")
         ext = self._extensions(session_id, gens, prompt)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -6,6 +6,10 @@ model's tokens and 0 on the rest, so the trainer conditions on tool outputs with
 the policy to produce them. ``logprobs`` and ``token_versions`` hold the sampling policy's
 values on model tokens (observation tokens get 0.0 and the version of the reply before them:
 they are masked out, and must not make the row look staler than it is).
+
+Media (images, audio, video in the opening or in observations) are placeholder tokens in the
+ids, never trained on (the engine cannot sample them), plus ``mm_inputs``: the processor's
+tensors of every item of the row, in order of appearance.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from relax.agents._media import merge_media
 
 END_REASONS = ("done", "max_turns", "token_budget", "tool_error", "tool_timeout", "agent_error")
 """Why an episode ended: the environment said done, a budget ran out, or a failure."""
@@ -39,6 +45,9 @@ class Trajectory:
     row's ``success`` column (the trainer logs its mean as ``success_rate``)."""
     calls: list[dict[str, Any]] = field(default_factory=list)
     """Per model call: its prompt length, the ids and log-probs it returned, its version."""
+    mm_inputs: dict[str, Any] | None = None
+    """The media tensors of the whole sequence (``pixel_values``, ``image_grid_thw``, ...;
+    items in order of their placeholders), or ``None`` for a text-only trajectory."""
 
     def __len__(self) -> int:
         """Tokens in the whole sequence (prompt and response)."""
@@ -82,9 +91,12 @@ class Trajectory:
         self.token_versions += per_token
         self.turns += 1
 
-    def add_observation(self, ids: Sequence[int]) -> None:
+    def add_observation(self, ids: Sequence[int], mm_inputs: dict[str, Any] | None = None) -> None:
         """Append ids the model did not generate (tool output, user turn): conditioned on,
-        never trained on."""
+        never trained on. ``mm_inputs``: the tensors of the media whose placeholders ``ids``
+        hold, appended to the trajectory's."""
+        if mm_inputs:
+            self.mm_inputs = merge_media(self.mm_inputs, mm_inputs)
         version = self.token_versions[-1] if self.token_versions else 0
         self.response_ids += list(ids)
         self.loss_mask += [0] * len(ids)
@@ -117,6 +129,8 @@ class Trajectory:
             columns["success"] = float(bool(self.info["success"]))
         if "session" in self.info:  # the endpoint session it was recorded from
             columns["session"] = str(self.info["session"])
+        if self.mm_inputs:
+            columns["mm_inputs"] = dict(self.mm_inputs)
         return columns
 
 

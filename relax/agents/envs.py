@@ -8,6 +8,10 @@
   format, ``<tool_call>{"name": "calc", "arguments": {"expression": "12*7"}}</tool_call>``),
   gets the result as a ``tool`` turn, and answers; success is the right number. A bad
   expression is a tool *error*, which ends the episode with the reason recorded.
+- ``ShapeQuest``: media in a later turn. The user asks the colour of a shape without showing
+  it; whatever the model says first, the environment answers with the picture (an image
+  observation), and the model's next reply is judged: success when its first character (after
+  spaces) is the colour's letter, ``r``, ``g`` or ``b``. Needs a model with an image processor.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import operator
 import random
 import re
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -165,3 +170,66 @@ class Calculator(Env):
         value = evaluate(expression)  # raises on a bad expression: a tool error
         shown = int(value) if float(value).is_integer() else round(value, 6)
         return Step(str(shown), 0.0, False)
+
+
+SHAPE_QUEST_PROMPT = "What colour is my shape? Answer r, g or b."
+SHAPE_QUEST_LETTERS = {"r": "red", "g": "green", "b": "blue"}
+"""Answer letter → ``relax.media.PALETTE`` colour of the shapes."""
+
+
+def shape_quest_tasks(seed: int = 0) -> Iterator[dict[str, Any]]:
+    """Endless ``ShapeQuest`` tasks: the colour's letter is the ``answer`` (the environment
+    draws the picture from the task's id and answer, so a dataset row carries no media)."""
+    rng = random.Random(seed)
+    index = 0
+    while True:
+        yield {
+            "id": f"shape_quest-{seed}-{index}",
+            "prompt": SHAPE_QUEST_PROMPT,
+            "answer": rng.choice(sorted(SHAPE_QUEST_LETTERS)),
+        }
+        index += 1
+
+
+class ShapeQuest(Env):
+    """Name the colour of shapes shown only after the first reply (see the module docstring).
+
+    The picture (``size`` square, 1..``max_count`` shapes of the answer's colour on white,
+    drawn by ``relax.media.draw_shapes``) depends only on the task, so a replayed episode shows
+    the same one. ``role`` is the chat role of the image turn.
+    """
+
+    def __init__(self, *, size: int = 56, max_count: int = 3, role: str = "user") -> None:
+        self.size, self.max_count, self.role = size, max_count, role
+        self.answer = ""
+        self.image: Any = None
+        self.shown = False
+
+    async def reset(self, task: Task) -> list[dict[str, Any]]:
+        from relax.media import draw_shapes  # Pillow and torch: only when this env is used
+
+        self.answer = str(task["answer"]).strip().lower()
+        if self.answer not in SHAPE_QUEST_LETTERS:
+            raise ValueError(f"a ShapeQuest answer is one of r, g, b, not {task['answer']!r}")
+        seed = zlib.crc32(f"{task.get('id', '')}/{self.answer}".encode())
+        image, _ = draw_shapes(
+            seed,
+            size=self.size,
+            max_count=self.max_count,
+            colors=(SHAPE_QUEST_LETTERS[self.answer],),
+        )
+        self.image = image.numpy()
+        self.shown = False
+        return [{"role": "user", "content": task.get("prompt") or SHAPE_QUEST_PROMPT}]
+
+    async def step(self, action: str) -> Step:
+        if not self.shown:
+            self.shown = True
+            picture = [
+                {"type": "image", "image": self.image},
+                {"type": "text", "text": "Here it is. r, g or b?"},
+            ]
+            # success is False until judged: an episode cut short still reports it.
+            return Step([{"role": self.role, "content": picture}], 0.0, False, {"success": False})
+        right = action.strip()[:1].lower() == self.answer
+        return Step(None, 1.0 if right else 0.0, True, {"success": right})

@@ -26,6 +26,7 @@ from relax.media._process import (
     has_media,
     media_limits,
     mm_from_wire,
+    placeholder_ids,
     process_prompt,
 )
 from relax.media._synthetic import PALETTE, draw_shapes, moving_square, tones
@@ -51,6 +52,7 @@ __all__ = [
     "has_media",
     "media_limits",
     "mm_from_wire",
+    "placeholder_ids",
     "process_prompt",
     "PALETTE",
     "MediaError",

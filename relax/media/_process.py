@@ -22,7 +22,7 @@ import base64
 import binascii
 import dataclasses
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -95,7 +95,12 @@ def has_media(prompt: Any) -> bool:
 
 
 def process_prompt(
-    processor: Any, prompt: Any, limits: MediaLimits, *, item: str
+    processor: Any,
+    prompt: Any,
+    limits: MediaLimits,
+    *,
+    item: str,
+    render: Callable[[list[dict[str, Any]]], str] | None = None,
 ) -> ProcessedPrompt:
     """Decode the prompt's media once, render the chat template, run the processor once.
 
@@ -112,6 +117,11 @@ def process_prompt(
     or, for prompts without media, a tokenizer. ``item`` (the record id) names the prompt in
     errors. Raises ``MediaError`` for a bad prompt or part, ``ConfigError`` for a processor
     that cannot serve ``limits``.
+
+    ``render`` replaces the chat template's rendering of the whole prompt: it gets the messages
+    with each media part reduced to ``{"type": kind}`` and returns the text the processor runs
+    on (one media token per part, in order). A multi-turn episode uses it to process only the
+    turns that follow the model's reply (``relax.agents``).
     """
     tokenizer = getattr(processor, "tokenizer", None) or processor
     placeholder_ids = _placeholder_ids(processor, tokenizer)
@@ -142,7 +152,9 @@ def process_prompt(
             content = parts
         rendered_messages.append({**message, "content": content})
 
-    text = _render(processor, rendered_messages, item)
+    text = (
+        _render(processor, rendered_messages, item) if render is None else render(rendered_messages)
+    )
     _check_media_tokens(processor, tokenizer, text, decoded, item)
     out = _run(processor, text, decoded, video_fps, limits, item)
     ids = [int(i) for i in _first_row(out["input_ids"], item)]
@@ -151,6 +163,7 @@ def process_prompt(
         for key, value in out.items()
         if key not in _TOKENIZER_OUTPUTS
     }
+    _trim_audio_padding(mm_inputs)
     return ProcessedPrompt(
         prompt_ids=ids,
         mm_inputs=mm_inputs,
@@ -158,6 +171,28 @@ def process_prompt(
         media_tokens=sum(1 for i in ids if i in placeholder_ids),
         counts={kind: len(decoded[kind]) for kind in MEDIA_KINDS},
     )
+
+
+_AUDIO_FRAME_STEP = 100
+"""Audio feature frames are kept in whole multiples of this (one encoder window: 1 s)."""
+
+
+def _trim_audio_padding(mm_inputs: dict[str, torch.Tensor]) -> None:
+    """Cut Whisper-style features to the frames the clips use (rounded up to a whole window).
+
+    The feature extractor pads every clip to its full window (30 s = 3000 frames, 1.5 MB of
+    float32 for a one-second clip); the audio encoder masks the padding out, so the model's
+    outputs are unchanged (checked equal to the last bit in tests/media/test_process.py) while
+    the row shrinks by up to 30x on the bus and in every forward.
+    """
+    mask = mm_inputs.get("feature_attention_mask")
+    if mask is None or "input_features" not in mm_inputs or mask.numel() == 0:
+        return
+    used = int(mask.sum(-1).max())
+    keep = max(_AUDIO_FRAME_STEP, -(-used // _AUDIO_FRAME_STEP) * _AUDIO_FRAME_STEP)
+    if keep < mask.shape[-1]:
+        mm_inputs["feature_attention_mask"] = mask[..., :keep].contiguous()
+        mm_inputs["input_features"] = mm_inputs["input_features"][..., :keep].contiguous()
 
 
 def mm_from_wire(value: Any) -> dict[str, torch.Tensor]:
@@ -334,6 +369,11 @@ def _render(processor: Any, messages: list[dict[str, Any]], item: str) -> str:
 def _media_token(processor: Any, tokenizer: Any, kind: str) -> str | None:
     token = getattr(processor, f"{kind}_token", None) or getattr(tokenizer, f"{kind}_token", None)
     return token if isinstance(token, str) and token else None
+
+
+def placeholder_ids(processor: Any) -> set[int]:
+    """The ids of the processor's media placeholder tokens (image, audio, video)."""
+    return _placeholder_ids(processor, getattr(processor, "tokenizer", None) or processor)
 
 
 def _placeholder_ids(processor: Any, tokenizer: Any) -> set[int]:

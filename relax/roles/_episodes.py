@@ -29,6 +29,7 @@ from relax.agents import (
     run_episode,
 )
 from relax.config import AgentConfig, ClusterConfig
+from relax.media import media_limits
 from relax.roles._common import as_list, prompt_seed
 
 
@@ -78,11 +79,15 @@ async def env_rows(
     tokenizer: Any,
     prompts: list[dict[str, Any]],
     stops: list[int],
+    processor: Any = None,
 ) -> tuple[list[dict[str, Any]], list[Trajectory]]:
-    """Play ``n`` episodes of every prompt, concurrently (their turns batch in the sampler)."""
+    """Play ``n`` episodes of every prompt, concurrently (their turns batch in the sampler).
+    ``processor``: the model's (``None`` for a text-only model); with it, openings and
+    observations may carry media, decoded within ``[data.media]``."""
     n = cfg.data.n_samples_per_prompt
     rollout = cfg.rollout
     bounds = limits(cfg)
+    media = media_limits(cfg.data.media)
 
     async def one(prompt: dict[str, Any], j: int) -> Trajectory:
         sampling = Sampling(
@@ -93,7 +98,16 @@ async def env_rows(
             seed=prompt_seed(rollout.seed, f"{prompt['uid']}/{j}"),
         )
         env = make_env(rollout.agent)
-        return await run_episode(env, episode_task(prompt), sampler, tokenizer, bounds, sampling)
+        return await run_episode(
+            env,
+            episode_task(prompt),
+            sampler,
+            tokenizer,
+            bounds,
+            sampling,
+            processor=processor,
+            media_limits=media,
+        )
 
     trajs = await asyncio.gather(*(one(p, j) for p in prompts for j in range(n)))
     rows = [episode_row(p, j, n, trajs[i * n + j]) for i, p in enumerate(prompts) for j in range(n)]

@@ -41,6 +41,7 @@ from relax.config import ClusterConfig
 from relax.engines import (
     Generation,
     GenerationEngine,
+    load_processor,
     load_tokenizer,
     open_engine,
     stop_token_ids,
@@ -116,6 +117,8 @@ class RolloutRole(Actor):
                 self.model_dir
             )
             self.sampler = Sampler(self.engine)
+            # None for a text-only model; with it, episodes may carry media.
+            self.processor = await asyncio.to_thread(load_processor, self.model_dir)
             self.sessions = SessionStore(self.tokenizer, max_sessions=rollout.server.max_sessions)
 
     async def on_stop(self) -> None:
@@ -320,7 +323,9 @@ class RolloutRole(Actor):
         kind = cfg.rollout.agent.kind
         if kind == "env":
             assert self.sampler is not None
-            rows, trajs = await env_rows(cfg, self.sampler, self.tokenizer, admitted, stops)
+            rows, trajs = await env_rows(
+                cfg, self.sampler, self.tokenizer, admitted, stops, self.processor
+            )
             self._count(trajs)
         elif kind == "openai":
             assert self.sessions is not None and self.server is not None

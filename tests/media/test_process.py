@@ -341,6 +341,30 @@ def test_the_tiny_model_takes_the_inputs_as_they_are(tmp_path: Path) -> None:
     assert bool(torch.isfinite(logits).all())
 
 
+def test_audio_features_are_cut_to_the_frames_used_without_changing_the_model(
+    tmp_path: Path,
+) -> None:
+    from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+
+    folder = _omni("build_tiny_omni_model")(tmp_path / "omni")
+    processor = _omni("load_omni_processor")(folder)
+    model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(folder).eval()
+    clip = {"array": _audio(1.0), "sampling_rate": 16_000}
+    out = process_prompt(processor, _user({"type": "audio", "audio": clip}), LIMITS, item="t")
+    features, mask = out.mm_inputs["input_features"], out.mm_inputs["feature_attention_mask"]
+    window = processor.feature_extractor.nb_max_frames
+    assert features.shape[-1] == mask.shape[-1] == 100 < window  # 1 s kept, not the window
+    padded = {
+        "input_features": torch.nn.functional.pad(features, (0, window - 100)),
+        "feature_attention_mask": torch.nn.functional.pad(mask, (0, window - 100)),
+    }
+    ids = torch.tensor([out.prompt_ids])
+    with torch.no_grad():
+        cut = model(input_ids=ids, attention_mask=torch.ones_like(ids), **out.mm_inputs).logits
+        full = model(input_ids=ids, attention_mask=torch.ones_like(ids), **padded).logits
+    assert torch.equal(cut, full)
+
+
 # --------------------------------------------------------------------------- bad prompts
 
 
