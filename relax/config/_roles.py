@@ -134,7 +134,7 @@ class AgentConfig(ConfigModel):
     kind: AgentKind = "single"
     """"single": one reply per sample, scored by the reward role. "env": an episode of `env` (multi-turn, tool outputs masked out of the loss; the environment gives the reward). "openai": an episode of the agent program `program`, which only talks to the endpoint with the `openai` client; every call is recorded and the program returns the reward. "external": no prompts are taken; the user's own programs generate through the endpoint and submit finished sessions with their rewards."""
     env: ImportPath | None = None
-    """For kind "env": import path "package.module:Name" of an `relax.agents.Env` subclass (or a factory returning one), called with `options` as keyword arguments, once per episode. Built-ins: "relax.agents.envs:GuessNumber", "relax.agents.envs:Calculator"."""
+    """For kind "env": import path "package.module:Name" of an `relax.agents.Env` subclass (or a factory returning one), called with `options` as keyword arguments, once per episode. Built-ins: "relax.agents.envs:GuessNumber", "relax.agents.envs:Calculator", "relax.agents.envs:ShapeQuest" (an image observation; needs a multimodal model)."""
     program: ImportPath | None = None
     """For kind "openai": import path of the agent program `fn(base_url, api_key, task, **options) -> reward`, sync (run in a thread) or async; it must only reach the policy through `base_url`."""
     options: dict[str, Any] = {}

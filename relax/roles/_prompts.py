@@ -57,6 +57,30 @@ def file_records(path: str) -> list[dict[str, Any]]:
     return records
 
 
+_MEDIA_PARTS = ("image", "audio", "video")
+
+
+def anchored(prompt: Any, folder: Path) -> Any:
+    """``prompt`` with relative media file paths made relative to the data file's ``folder``
+    (where a dataset keeps its images), not to wherever the run was started."""
+    if not isinstance(prompt, list):
+        return prompt
+    out = []
+    for message in prompt:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                source = part.get(kind) if kind in _MEDIA_PARTS else None
+                if isinstance(source, str) and not source.startswith(("data:", "file://", "/")):
+                    part = {**part, kind: str(folder / source)}
+                parts.append(part)
+            message = {**message, "content": parts}
+        out.append(message)
+    return out
+
+
 def file_prompts(
     path: str, prompt_key: str, answer_key: str, *, shuffle: bool = False, seed: int = 0
 ) -> Iterator[dict[str, Any]]:
@@ -74,7 +98,7 @@ def file_prompts(
         items.append(
             {
                 "id": str(record.get("id", f"{Path(path).stem}-{index}")),
-                "prompt": record[prompt_key],
+                "prompt": anchored(record[prompt_key], Path(path).resolve().parent),
                 "answer": "" if answer is None else str(answer),
             }
         )
