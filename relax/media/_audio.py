@@ -9,10 +9,8 @@ image, unlike linear interpolation.
 
 from __future__ import annotations
 
-import io
 import math
 import struct
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from relax.media._arrays import load_npy, load_npz
 from relax.media._limits import MediaError, MediaLimits, describe, read_source
 
 AudioSource = Any
@@ -154,10 +153,13 @@ def _decode(
         if data[:4] in (b"RIFF", b"RF64"):
             return _parse_wav(data, name)
         if data[:6] == b"\x93NUMPY":
-            return _mono(_load_npy(data, name), limits, name), sample_rate
+            return _mono(load_npy(data, _KIND, name), limits, name), sample_rate
         if data[:4] == b"PK\x03\x04":
-            array, rate = _load_npz(data, name)
-            return _mono(array, limits, name), rate if rate is not None else sample_rate
+            array, rate = load_npz(
+                data, _KIND, name, ("audio", "array", "samples"), ("sample_rate", "sampling_rate")
+            )
+            rate = sample_rate if rate is None else int(rate)
+            return _mono(array, limits, name), rate
         suffix = Path(src).suffix.lower() if isinstance(src, (str, Path)) else ""
         if suffix == ".wav":
             raise MediaError(_KIND, name, "corrupt WAV file: no RIFF/WAVE header")
@@ -259,30 +261,3 @@ def _parse_wav(data: bytes, name: str) -> tuple[np.ndarray, int]:
         )
     samples = samples.reshape(-1, channels).mean(axis=1)
     return samples.astype(np.float32), rate
-
-
-def _load_npy(data: bytes, name: str) -> np.ndarray:
-    try:
-        return np.load(io.BytesIO(data), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise MediaError(_KIND, name, f"corrupt .npy data ({exc})") from None
-
-
-def _load_npz(data: bytes, name: str) -> tuple[np.ndarray, int | None]:
-    try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as archive:
-            keys = list(archive.keys())
-            key = next((k for k in ("audio", "array", "samples") if k in keys), None)
-            key = key or next((k for k in keys if k not in ("sample_rate", "sampling_rate")), None)
-            if key is None:
-                raise MediaError(_KIND, name, ".npz archive holds no sample array")
-            array = archive[key]
-            rate = None
-            for rate_key in ("sample_rate", "sampling_rate"):
-                if rate_key in keys:
-                    rate = int(archive[rate_key])
-            return array, rate
-    except MediaError:
-        raise
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-        raise MediaError(_KIND, name, f"corrupt .npz data ({exc})") from None

@@ -10,7 +10,6 @@ import os
 import re
 import tempfile
 import warnings
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageSequence, UnidentifiedImageError
 
+from relax.media._arrays import load_npy, load_npz
 from relax.media._image import array_to_pil, open_image, pil_to_array, to_rgb
 from relax.media._limits import MediaError, MediaLimits, describe, fit_size, read_source
 
@@ -175,9 +175,9 @@ def _reader(src: VideoSource, fps: float | None, limits: MediaLimits, name: str)
     if isinstance(src, (str, Path, bytes, bytearray, memoryview)):
         data = read_source(src, _KIND, name, limits)
         if data[:6] == b"\x93NUMPY":
-            return _array_reader(_load_npy(data, name), fps, limits, name)
+            return _array_reader(load_npy(data, _KIND, name), fps, limits, name)
         if data[:4] == b"PK\x03\x04":
-            array, file_fps = _load_npz(data, name)
+            array, file_fps = load_npz(data, _KIND, name, ("frames", "video"), ("fps",))
             return _array_reader(array, file_fps if file_fps is not None else fps, limits, name)
         if data[4:8] == b"ftyp" or data[:4] == b"\x1a\x45\xdf\xa3":  # MP4/MOV, Matroska/WebM
             return _container_reader(None, data, fps, limits, name)
@@ -337,26 +337,3 @@ def _container_reader(
         return [frames[i] for i in indices if i in frames]
 
     return _Reader(count, file_fps if file_fps > 0 else fps, read, close)
-
-
-def _load_npy(data: bytes, name: str) -> np.ndarray:
-    try:
-        return np.load(io.BytesIO(data), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise MediaError(_KIND, name, f"corrupt .npy data ({exc})") from None
-
-
-def _load_npz(data: bytes, name: str) -> tuple[np.ndarray, float | None]:
-    try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as archive:
-            keys = list(archive.keys())
-            key = next((k for k in ("frames", "video") if k in keys), None)
-            key = key or next((k for k in keys if k != "fps"), None)
-            if key is None:
-                raise MediaError(_KIND, name, ".npz archive holds no frame array")
-            fps = float(archive["fps"]) if "fps" in keys else None
-            return archive[key], fps
-    except MediaError:
-        raise
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-        raise MediaError(_KIND, name, f"corrupt .npz data ({exc})") from None
