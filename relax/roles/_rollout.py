@@ -30,15 +30,17 @@ import contextlib
 import json
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from relax.actors import Actor
-from relax.agents import AgentServer, Sampler, SessionStore, Trajectory
+from relax.agents import AgentServer, Sampler, SessionStore, Trajectory, cut_at_stop
 from relax.bus import BusClient
 from relax.config import ClusterConfig
 from relax.engines import (
+    EngineError,
     Generation,
     GenerationEngine,
     load_processor,
@@ -65,7 +67,7 @@ async def generate_groups(
         if any(m is not None for m in media)
         else {}
     )
-    return await engine.generate(
+    gens = await engine.generate(
         [as_list(r["columns"]["prompt_ids"]) for r in prompts],
         max_new_tokens=rollout.max_new_tokens,
         temperature=rollout.temperature,
@@ -77,6 +79,28 @@ async def generate_groups(
         if rollout.seed is None
         else [prompt_seed(rollout.seed, r["uid"]) for r in prompts],
         **extra,
+    )
+    if rollout.stop:
+        tokenizer = getattr(engine, "tokenizer", None)
+        if tokenizer is None:
+            raise EngineError("rollout.stop needs an engine with a tokenizer")
+        gens = [stop_at_strings(g, tokenizer, rollout.stop) for g in gens]
+    return gens
+
+
+def stop_at_strings(gen: Generation, tokenizer: Any, stops: Sequence[str]) -> Generation:
+    """``gen`` ended after the token that completes the first of ``stops`` (kept, as the
+    policy sampled it); unchanged when none occurs."""
+    kept, _, stopped = cut_at_stop(tokenizer, gen.response_ids, stops)
+    if not stopped:
+        return gen
+    versions = gen.token_versions
+    return replace(
+        gen,
+        response_ids=gen.response_ids[:kept],
+        logprobs=gen.logprobs[:kept],
+        finish_reason="stop",
+        token_versions=None if versions is None else versions[:kept],
     )
 
 

@@ -110,6 +110,9 @@ async def test_guess_number_success_rises(tmp_path, seed) -> None:
             f"model.init.seed={seed}",
             f"data.seed={seed}",
             f"rollout.seed={seed}",
+            # Staleness 0 runs exactly the synchronous loop: the same numbers on every machine
+            # (at the example's staleness 1 timing decides which weights generate which rows).
+            "staleness=0",
             'logging.level="warning"',
         ],
     )
@@ -117,9 +120,10 @@ async def test_guess_number_success_rises(tmp_path, seed) -> None:
     steps = [s for s in read_metrics(layout.run_dir) if s["applied"]]
     first, last = quarters([s["success_rate"] for s in steps])
     print(json.dumps({"seed": seed, "success_first": first, "success_last": last}))
-    # Measured (seeds 0 and 1, 100 steps): first quarter 0.05 -> last quarter 0.26-0.28.
+    # Measured (staleness 0, 100 steps, ~40 s): seed 0 0.053 -> 0.321, seed 1 0.059 -> 0.269,
+    # identical on reruns. At staleness 1, seeds 0-3 ended at 0.13-0.31.
     assert first < 0.1
-    assert last >= first + 0.12
+    assert last >= first + 0.15
 
 
 def logged_calls(path: Path) -> dict[str, list[list[int]]]:
