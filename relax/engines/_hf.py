@@ -437,6 +437,11 @@ class HFEngine(GenerationEngine):
         with self._pending_lock:
             pending, self._pending = self._pending, []
         for version, items, done in pending:
+            # The caller may have given up waiting (its task was cancelled, e.g. the rollout is
+            # stopping): such an update is dropped, and the generation goes on unharmed —
+            # setting a result on a cancelled future would raise into it.
+            if not done.set_running_or_notify_cancel():
+                continue
             try:
                 self._apply_weights(version, items)
             except BaseException as exc:

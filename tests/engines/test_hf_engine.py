@@ -285,3 +285,15 @@ async def test_interruptible_engine_refuses_a_bad_update_mid_generation(
     gens = await task
     assert engine.version == 0
     assert all(set(g.token_versions) == {0} and close(g, reference_models[0]) for g in gens)
+
+
+def test_an_offered_update_whose_caller_gave_up_is_dropped_without_harm(tiny_dir: Path) -> None:
+    """A weight load cancelled while it waits for the generation in flight (a stopping rollout)
+    must not break that generation: the update is dropped, the version stays."""
+    engine = HFEngine.from_pretrained(tiny_dir, interruptible=True)
+    other = load_policy(tiny_dir)[0].state_dict()
+    engine._generating = True  # as if a generation were in flight
+    offered = engine._offer(1, list(other.items()))
+    assert offered is not None and offered.cancel()  # the awaiting task was cancelled
+    engine._apply_pending()  # what the generation thread does between two tokens
+    assert engine.version == 0
