@@ -8,7 +8,14 @@ rounds, and reported as medians with the ratio ours/baseline:
 - restart       vs. spawning the same interpreter and waiting for it to exit
                 (the floor for any process restart)
 
-Run: ``python bench/actors.py [--calls 2000] [--rounds 5]``. Nothing here is asserted in tests.
+Then the recovery budget of a real run (the digits recipe, every role and both buses in its own
+process): each role is SIGKILLed ``--kills`` times and the time until it serves again is
+reported per role (median, max). "Serving again": for a bus, its supervisor shows the new
+process running and a client request is answered by it; for a role, the new process finished
+``on_start`` (model loaded, bus connected) and runs. Kills are spaced so the run keeps going.
+
+Run: ``python bench/actors.py [--calls 2000] [--rounds 5] [--kills 3] [--no-roles]``. Nothing
+here is asserted in tests.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -120,7 +128,61 @@ def report(name: str, ours: list[float], base: list[float], unit: float, unit_na
     )
 
 
-async def main(calls: int, rounds: int) -> None:
+RECIPE = Path(__file__).resolve().parents[1] / "examples" / "digits" / "cluster.toml"
+ROLES = ("prompts", "samples", "dataset", "reward-0", "trainer", "rollout-0")
+
+
+async def role_recovery(kills: int) -> dict[str, list[float]]:
+    """SIGKILL -> serving again, per role of a running digits run (see the module docstring)."""
+    from relax import cluster
+    from relax.bus import BusClient
+    from relax.config import load_config
+    from tests.actors.helpers import find
+
+    overrides = [
+        *(f'{r}.placement="process"' for r in ("dataset", "reward", "trainer", "rollout")),
+        "trainer.steps=1000000",  # it must not finish while we kill it
+        f"supervisor.intensity={len(ROLES) * kills + 1}",
+        "supervisor.period=3600",
+    ]
+    cfg = load_config(RECIPE, overrides=overrides)
+    took: dict[str, list[float]] = {r: [] for r in ROLES}
+    with tempfile.TemporaryDirectory(prefix="relax-bench-") as tmp:
+        layout = cluster.prepare(cfg, Path(tmp) / "run")
+        async with cluster.build_tree(cfg, layout) as tree:
+
+            async def entry(role: str) -> dict:
+                return find(await tree.snapshot(), role)
+
+            async def running(role: str) -> list[int]:
+                while True:
+                    e = await entry(role)
+                    if e["state"] == "running" and e["pids"]:
+                        return e["pids"]
+                    await asyncio.sleep(0.02)
+
+            for role in ROLES:
+                await running(role)
+            urls = {"prompts": layout.prompts_url, "samples": layout.samples_url}
+            for _ in range(kills):
+                for role in ROLES:
+                    old = (await running(role))[0]
+                    await asyncio.sleep(1.0)  # let the run settle after the previous kill
+                    start = time.perf_counter()
+                    os.kill(old, signal.SIGKILL)
+                    while True:
+                        e = await entry(role)
+                        if e["state"] == "running" and e["pids"] and old not in e["pids"]:
+                            break
+                        await asyncio.sleep(0.02)
+                    if role in urls:
+                        async with await BusClient.connect(urls[role]) as bus:
+                            await bus.statistics()
+                    took[role].append(time.perf_counter() - start)
+    return took
+
+
+async def main(calls: int, rounds: int, kills: int) -> None:
     configure_logging(level="error")
     children = [
         ChildSpec("inproc", Echo),
@@ -147,6 +209,13 @@ async def main(calls: int, rounds: int) -> None:
     report("call rtt, process over ipc", results["ipc"], results["nipc"], 1e6, "us")
     report("call rtt, process over tcp", results["tcp"], results["ntcp"], 1e6, "us")
     report("SIGKILL -> answering again", results["r"], results["sp"], 1e3, "ms")
+    if kills:
+        recovered = await role_recovery(kills)
+        print(f"recovery budget of a digits run, SIGKILL -> serving again ({kills} kills each):")
+        for role, times in recovered.items():
+            print(
+                f"  {role:<12} median {statistics.median(times):6.2f} s   max {max(times):6.2f} s"
+            )
 
 
 if __name__ == "__main__":
@@ -155,5 +224,7 @@ if __name__ == "__main__":
     )
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--kills", type=int, default=3, help="SIGKILLs per role of a run")
+    parser.add_argument("--no-roles", action="store_true", help="skip the run's recovery budget")
     args = parser.parse_args()
-    asyncio.run(main(args.calls, args.rounds))
+    asyncio.run(main(args.calls, args.rounds, 0 if args.no_roles else args.kills))

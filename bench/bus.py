@@ -6,6 +6,9 @@
    payloads in a deque: one request carries a payload in, another carries it out).
 2. weights: publish a 50 MB state dict in buckets and have a subscriber poll it whole, against
    a plain memcpy of the same bytes (``torch.Tensor.copy_``).
+3. training rows (128 prompt + 512 response ids, 512 logprobs and a reward, as lists: what the
+   rollout puts): put -> take rows/s, and what checking them at the door (``check_rows``, the
+   declared column types) costs per row, measured on its own.
 
 Rounds are interleaved and medians reported. The last lines are machine-readable, one
 ``name = value`` each. Run: ``python bench/bus.py [--rounds 3] [--persist/--no-persist]``.
@@ -30,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from relax.actors import ChildSpec, Process, Supervisor  # noqa: E402
 from relax.bus import BusClient, BusService  # noqa: E402
+from relax.bus._columns import check_rows  # noqa: E402
 from relax.log import configure_logging  # noqa: E402
 from relax.transport import Limits  # noqa: E402
 
@@ -89,6 +93,53 @@ async def bus_throughput(url: str, size: int, count: int, tag: str) -> float:
         start = time.perf_counter()
         await asyncio.gather(produce(), consume())
         return count * size / (time.perf_counter() - start)
+
+
+def training_rows(count: int, tag: str, batch: int = 16) -> list[list[dict]]:
+    response = list(range(512))
+    columns = {
+        "prompt_ids": list(range(128)),
+        "response_ids": response,
+        "logprobs": [-0.5] * len(response),
+        "reward": 1.0,
+        "answer": "42",
+    }
+    rows = [
+        {"uid": f"{tag}-{i}", "group": f"{tag}-{i}", "version": 0, "columns": columns}
+        for i in range(count)
+    ]
+    return [rows[i : i + batch] for i in range(0, count, batch)]
+
+
+async def bus_training_rows(url: str, count: int, tag: str) -> float:
+    """put -> take rows/s of training rows."""
+    async with (
+        await BusClient.connect(url, limits=LIMITS) as producer,
+        await BusClient.connect(url, limits=LIMITS) as consumer,
+    ):
+        batches = training_rows(count, tag)
+
+        async def produce() -> None:
+            for batch in batches:
+                await producer.put(batch)
+
+        async def consume() -> None:
+            got = 0
+            while got < count:
+                async with consumer.take("train", batch_size=16, wait=5) as batch:
+                    got += len(batch)
+
+        start = time.perf_counter()
+        await asyncio.gather(produce(), consume())
+        return count / (time.perf_counter() - start)
+
+
+def check_cost_us(count: int = 2000) -> float:
+    """Microseconds ``check_rows`` spends on one training row."""
+    rows = [r for batch in training_rows(count, "check") for r in batch]
+    start = time.perf_counter()
+    check_rows(rows)
+    return (time.perf_counter() - start) / count * 1e6
 
 
 async def raw_throughput(url: str, size: int, count: int) -> float:
@@ -211,6 +262,10 @@ async def main(rounds: int, persist: bool) -> None:
                         results.setdefault(f"bus_{name}", []).append(
                             await bus_throughput(bus_url, size, count, f"{name}-{r}")
                         )
+                    results.setdefault("train_rows", []).append(
+                        await bus_training_rows(bus_url, 2000, f"train-{r}")
+                    )
+                    results.setdefault("check_us", []).append(check_cost_us())
                     results.setdefault("memcpy", []).append(memcpy_bandwidth())
                     results.setdefault("weights", []).append(
                         await weights_bandwidth(bus_url, 2 * r + 1)
@@ -233,8 +288,15 @@ async def main(rounds: int, persist: bool) -> None:
         f"weights 50 MB: through the bus {med['weights'] / 1e6:8.1f} MB/s | over a gloo group "
         f"{med['weights_group'] / 1e6:8.1f} MB/s | memcpy {med['memcpy'] / 1e6:8.1f} MB/s"
     )
+    share = med["check_us"] * med["train_rows"] / 1e6
+    print(
+        f"training rows (640 ids + 512 logprobs): bus {med['train_rows']:8.0f} rows/s | "
+        f"checking one at the door {med['check_us']:6.1f} us ({share:.1%} of the bus's time)"
+    )
     for name in SIZES:
         print(f"bus_vs_raw_pynng_{name} = {med[f'bus_{name}'] / med[f'raw_{name}']:.3f}")
+    print(f"bus_training_rows_per_s = {med['train_rows']:.0f}")
+    print(f"check_rows_us_per_training_row = {med['check_us']:.2f}")
     print(f"weights_bus_vs_memcpy_50MB = {med['weights'] / med['memcpy']:.4f}")
     print(f"weights_vs_memcpy_50MB = {med['weights_group'] / med['memcpy']:.4f}")
 

@@ -17,24 +17,12 @@ from relax.cli._app import app
 
 
 def main() -> None:
-    """Entry point of the `relax` console script."""
-    _importable_working_directory()
+    """Entry point of the `relax` console script.
+
+    The working folder is not put on ``sys.path``: ``relax validate`` / ``relax up`` add only
+    the config's own folder, after the standard library and site-packages.
+    """
     app()
-
-
-def _importable_working_directory() -> None:
-    """Modules of the folder ``relax`` runs in are importable, as with ``python -m``: a
-    config's ``program``, ``env``, ``generator`` or reward ``target`` may name the user's own
-    code (``"my_agents.solver:solve"``). Children started as processes inherit it."""
-    import os
-    import sys
-
-    cwd = os.getcwd()
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
-    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    if cwd not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([cwd, *filter(None, paths)])
 
 
 __all__ = ["app", "main"]

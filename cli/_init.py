@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sys
+import shutil
 from pathlib import Path
 from typing import Annotated
 
@@ -10,7 +10,9 @@ import typer
 
 from relax.cli._app import app
 
-DEFAULT_RECIPE = "quickstart"
+DEFAULT_RECIPE = "digits"
+"""What ``relax init`` writes without a recipe name: a run that visibly learns, in seconds on a
+CPU (``quickstart`` is the key reference: every key at its default, which does not learn)."""
 RECIPE_FILE = "cluster.toml"
 
 
@@ -18,9 +20,11 @@ def example_roots() -> list[Path]:
     """Where recipes may live, first match wins:
 
     1. ``RELAX_EXAMPLES`` (a folder of ``<recipe>/cluster.toml``), for custom recipe sets;
-    2. the ``examples/`` folder of the source checkout this package runs from (an editable
-       install, or running from the repository);
-    3. ``<prefix>/share/relax/examples`` (where a wheel can install them as data files).
+    2. the package ``relax.examples``: the repository's ``examples/`` folder, which an install
+       (a wheel, or an editable install) carries as that package, found through
+       ``importlib.resources``;
+    3. the ``examples/`` folder of the source checkout this package runs from (an editable
+       install made before ``relax.examples`` existed, or running from the repository).
     """
     import os
 
@@ -29,9 +33,23 @@ def example_roots() -> list[Path]:
     roots = []
     if os.environ.get("RELAX_EXAMPLES"):
         roots.append(Path(os.environ["RELAX_EXAMPLES"]))
+    packaged = packaged_examples()
+    if packaged is not None:
+        roots.append(packaged)
     roots.append(Path(relax.__file__).resolve().parent.parent / "examples")
-    roots.append(Path(sys.prefix) / "share" / "relax" / "examples")
     return roots
+
+
+def packaged_examples() -> Path | None:
+    """The folder of the installed ``relax.examples`` package, or None when it is not
+    installed (or not a plain folder, e.g. inside a zip)."""
+    import importlib.resources
+
+    try:
+        found = importlib.resources.files("relax.examples")
+    except ModuleNotFoundError:
+        return None
+    return found if isinstance(found, Path) and found.is_dir() else None
 
 
 def examples_dir() -> Path | None:
@@ -40,6 +58,22 @@ def examples_dir() -> Path | None:
         if root.is_dir() and any(root.glob(f"*/{RECIPE_FILE}")):
             return root
     return None
+
+
+def companions(recipe_toml: Path) -> list[Path]:
+    """The files a recipe needs next to its cluster.toml (an agent program, a data file):
+    everything else in its folder, without caches and hidden files. Its import paths name
+    them as modules of the config's own folder (``program = "agent:solve"``), which
+    ``relax validate`` / ``relax up`` put on ``sys.path``, so they work wherever they are
+    copied."""
+    return sorted(
+        p
+        for p in recipe_toml.parent.iterdir()
+        if p.is_file()
+        and p.name != RECIPE_FILE
+        and not p.name.startswith(".")
+        and p.suffix not in (".pyc", ".pyo")
+    )
 
 
 def recipes(root: Path) -> dict[str, Path]:
@@ -80,7 +114,8 @@ def init(
     recipe: Annotated[
         str,
         typer.Argument(
-            help="The recipe to start from (see --list): quickstart documents every key.",
+            help="The recipe to start from (see --list): digits learns in seconds; quickstart "
+            "documents every key.",
             autocompletion=_complete_recipe,
         ),
     ] = DEFAULT_RECIPE,
@@ -88,16 +123,21 @@ def init(
         Path,
         typer.Option("--output", "-o", help="Where to write the config.", dir_okay=False),
     ] = Path(RECIPE_FILE),
-    force: Annotated[bool, typer.Option("--force", help="Overwrite OUTPUT if it exists.")] = False,
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Overwrite OUTPUT (and the files beside it) if they exist."),
+    ] = False,
     list_recipes: Annotated[
         bool, typer.Option("--list", "-l", help="List the recipes and exit.")
     ] = False,
 ) -> None:
-    """Write an example cluster.toml, commented key by key, to edit and run.
+    """Write an example cluster.toml (and the files its recipe needs) to edit and run.
 
-    relax init                      # quickstart -> ./cluster.toml
+    relax init                      # digits: learns in seconds -> ./cluster.toml
 
-    relax init grpo_kl -o kl.toml   # the GRPO + KL recipe
+    relax init quickstart -o all.toml   # every key, commented, at its default
+
+    relax init openai_agent -o agent/cluster.toml   # also writes agent/agent.py
     """
     root = examples_dir()
     if root is None:
@@ -118,23 +158,31 @@ def init(
         typer.echo(f"no recipe named {recipe!r}; choose one of:", err=True)
         _print_recipes(found, err=True)
         raise typer.Exit(2)
-    if output.exists() and not force:
-        typer.echo(
-            f"{output} already exists; pass --force to overwrite it, or --output to write "
-            "somewhere else",
-            err=True,
-        )
-        raise typer.Exit(1)
     if output.is_dir():
         typer.echo(f"{output} is a folder; pass a file path with --output", err=True)
         raise typer.Exit(2)
+    extra = [(source, output.parent / source.name) for source in companions(found[name])]
+    clashes = [path for path in [output, *(dest for _, dest in extra)] if path.exists()]
+    if clashes and not force:
+        typer.echo(
+            f"{', '.join(str(p) for p in clashes)} already exist{'s' if len(clashes) == 1 else ''}"
+            "; pass --force to overwrite, or --output to write somewhere else",
+            err=True,
+        )
+        raise typer.Exit(1)
     header = (
         f"# Written by `relax init {name}` from examples/{name}/{RECIPE_FILE}.\n"
         f"#   relax validate {output}    # check it\n"
         f"#   relax up {output}          # run it (add --detach to run it in the background)\n"
-        "#\n"
     )
+    if name != "quickstart":
+        header += "#   relax init quickstart -o all.toml   # every key there is, at its default\n"
+    header += "#\n"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(header + found[name].read_text())
+    for source, dest in extra:
+        shutil.copyfile(source, dest)
     typer.echo(f"wrote {output} (recipe {name})")
+    for _, dest in extra:
+        typer.echo(f"wrote {dest} (imported by {output.name}: keep them together)")
     typer.echo(f"next: `relax validate {output}`, then `relax up {output}`")

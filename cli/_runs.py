@@ -43,3 +43,79 @@ def resolve_run_dir(run_dir: Path | None, *, runs: Path = DEFAULT_RUNS) -> Path:
         )
         raise typer.Exit(2)
     return found
+
+
+def process_alive(pid: object) -> bool:
+    """Whether ``pid`` names a live process (one owned by someone else counts as alive)."""
+    import os
+
+    try:
+        os.kill(int(pid), 0)  # type: ignore[call-overload]
+    except (ProcessLookupError, ValueError, TypeError, OverflowError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def run_outcome(run_dir: Path) -> tuple[str, bool]:
+    """How the run of ``run_dir`` stands when no cluster answers there, from what the run
+    folder recorded: ``(one line, ended)``. ``ended`` is False while the ``relax up`` that
+    started it is still alive (it has not served its control endpoint yet, or is shutting
+    down); otherwise the line says how far it got — finished, stopped early or died — with its
+    last reward and, for ``relax up --detach`` runs, the last line ``up.log`` holds (the run's
+    own report of how it ended)."""
+    import json
+
+    from relax.control import CONTROL_FILE, read_metrics
+
+    info: dict = {}
+    try:
+        loaded = json.loads((run_dir / "run.json").read_text())
+        info = loaded if isinstance(loaded, dict) else {}
+    except (OSError, ValueError):
+        pass
+    control: dict = {}
+    try:
+        loaded = json.loads((run_dir / CONTROL_FILE).read_text())
+        control = loaded if isinstance(loaded, dict) else {}
+    except (OSError, ValueError):
+        pass
+    if control.get("pid") and process_alive(control["pid"]):
+        return f"the cluster (pid {control['pid']}) is running but does not answer", False
+    if not control and info.get("pid") and process_alive(info["pid"]):
+        return f"the cluster (pid {info['pid']}) is starting or stopping: not serving yet", False
+    records = [r for r in read_metrics(run_dir, last=200) if isinstance(r.get("step"), int)]
+    if not (records or info or control):
+        return f"no run has recorded anything in {run_dir} yet", True
+    step = max((r["step"] for r in records), default=0)
+    planned = info.get("steps")
+    of = f" of {planned}" if isinstance(planned, int) else ""
+    if control:  # control.json left behind: its process did not get to remove it
+        state = f"its process (pid {control.get('pid')}) died at step {step}{of}"
+    elif isinstance(planned, int) and step >= planned:
+        state = f"finished all {planned} steps"
+    elif records or isinstance(planned, int):
+        state = f"stopped at step {step}{of}"
+    else:
+        state = "no step recorded"  # a run.json without steps: not written by this version
+    applied = [r for r in records if r.get("applied") and "reward_mean" in r]
+    if applied:
+        state += f"; last mean reward {float(applied[-1]['reward_mean']):.3f}"
+    last_line = _last_line(run_dir / "up.log")
+    if last_line:
+        state += f"; up.log ends: {last_line}"
+    return f"the run in {run_dir} has ended ({state})", True
+
+
+def _last_line(path: Path, block: int = 4096) -> str:
+    """The last non-empty line of a (possibly long) text file, or ''."""
+    try:
+        with path.open("rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(0, size - block))
+            tail = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    return lines[-1] if lines else ""

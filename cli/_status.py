@@ -2,13 +2,17 @@
 
 ``relax status --json`` prints the control endpoint's ``status`` reply (the supervisor tree,
 both buses' statistics, the trainer's version and its recent metrics) and exits; scripts and
-tests read that. Without ``--json`` it opens the live dashboard of ``relax.cli._tui``.
+tests read that. Without ``--json`` it opens the live dashboard of ``relax.cli._tui`` on a
+terminal, and prints one plain-text snapshot (``_status_text``) when stdout is not one: a
+dashboard's escape codes in a pipe or a CI log help nobody. A run whose cluster has ended is
+reported from what its run folder recorded (``_runs.run_outcome``), never waited for.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -61,25 +65,51 @@ def status(
 ) -> None:
     """Show what the cluster of a run is doing: actors, buses, trainer.
 
-    The dashboard polls every --interval seconds and keeps retrying while the cluster is down.
+    On a terminal it opens the live dashboard, which polls every --interval seconds and keeps
+    retrying while the cluster is down (a restarting or resumed cluster reappears). When stdout
+    is not a terminal (a pipe, a file, CI) it prints one plain-text snapshot and exits. A run
+    whose cluster has ended is reported (finished, stopped early or died, and its last
+    reward) instead of waited for. Exit status: 0 when a cluster answered, 1 when none does.
 
-    Keys: r restarts the selected actor, p pauses/resumes generation, q quits.
+    Keys: r restarts the selected actor (after a y/n question), p pauses/resumes generation,
+    q quits.
     """
+    from relax.cli._runs import run_outcome
     from relax.control import ClusterNotRunning
     from relax.errors import RelaxError
 
     run_dir = resolve_run_dir(run_dir)
-    if not as_json:
-        from relax.cli._tui import StatusApp
-
-        StatusApp(run_dir, interval=interval, history=history).run()
-        return
+    dashboard = not as_json and sys.stdout.isatty()
     try:
         snapshot = asyncio.run(fetch_status(run_dir, history=history))
     except ClusterNotRunning as exc:
-        typer.echo(not_running_message(run_dir, exc), err=True)
+        outcome, ended = run_outcome(run_dir)
+        if dashboard and not ended:  # starting, or alive but not answering yet: watch it
+            _dashboard(run_dir, interval, history)
+            return
+        if as_json:  # stdout stays JSON or nothing
+            typer.echo(f"{not_running_message(run_dir, exc)}\n  {outcome}", err=True)
+        else:
+            typer.echo(outcome)
+            typer.echo(not_running_message(run_dir, exc), err=True)
         raise typer.Exit(EXIT_NOT_RUNNING) from None
     except RelaxError as exc:  # alive but not answering (hung, or stopping right now)
+        if dashboard:
+            _dashboard(run_dir, interval, history)
+            return
         typer.echo(f"the cluster in {run_dir} did not answer: {exc}", err=True)
         raise typer.Exit(EXIT_NOT_RUNNING) from None
-    typer.echo(json.dumps(snapshot, indent=2, default=str))
+    if dashboard:
+        _dashboard(run_dir, interval, history)
+    elif as_json:
+        typer.echo(json.dumps(snapshot, indent=2, default=str))
+    else:
+        from relax.cli._status_text import plain_snapshot
+
+        typer.echo(plain_snapshot(snapshot))
+
+
+def _dashboard(run_dir: Path, interval: float, history: int) -> None:
+    from relax.cli._tui import StatusApp
+
+    StatusApp(run_dir, interval=interval, history=history).run()

@@ -6,10 +6,10 @@
     │ Actors: the supervisor tree              │ Trainer: version, step, generation,   │
     │   actor state placement pids uptime      │   reward, loss, kl/entropy, step      │
     │   restarts last-crash (state coloured)   │   time, tokens/s                      │
-    │ Buses: pending/leased/acked/lag per task │ reward sparkline                      │
+    │ Buses: pending/leased/acked/lag per task │ reward sparkline, its min/max and axis│
     │   capacity use, versions in flight,      │                                       │
-    │   put/trained, stale and other drops     │ loss sparkline                        │
-    └─ footer: r restart selected · p pause/resume · q quit ───────────────────────────┘
+    │   put/trained, stale and other drops     │ loss sparkline (constants at level)   │
+    └─ footer: r restart selected (asks first) · p pause/resume · q quit ──────────────┘
 
 Polling runs in a worker on the app's event loop (the control client is asynchronous), so the
 UI never waits on the cluster; operator actions (restart, pause, resume) run in workers too and
@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,8 +30,20 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
-from textual.widgets import DataTable, Footer, Header, Sparkline, Static
+from textual.widgets import DataTable, Footer, Header, Static
 
+from relax.cli._runs import run_outcome
+from relax.cli._status_text import (
+    WINDOW,
+    ago,
+    average,
+    bus_summary,
+    duration,
+    flatten,
+    fmt,
+    seconds,
+)
+from relax.cli._tui_widgets import AxisSparkline, Confirm
 from relax.control import CONTROL_FILE, ClusterNotRunning, control_request
 
 STATE_STYLES = {
@@ -50,8 +61,9 @@ ACTOR_COLUMNS = ("actor", "state", "placement", "pids", "uptime", "restarts", "l
 TASK_COLUMNS = ("bus", "task", "pending", "leased", "acked", "lag")
 SPARK_POINTS = 60
 """How many recent applied steps the sparklines show."""
-WINDOW = 10
-"""How many recent applied steps the averages (step time, tokens/s) cover."""
+REWARD_RANGE = (0.0, 1.0)
+"""The axis every reward sparkline includes: most rewards live in 0..1, so a constant 1.0 is
+a full bar and a constant 0.0 a line at the floor (rewards outside it widen the axis)."""
 
 
 class StatusApp(App[None]):
@@ -77,8 +89,8 @@ class StatusApp(App[None]):
     #buses { height: auto; padding: 1 1 0 1; }
     #right { width: 2fr; min-width: 44; border-left: solid $primary 40%; }
     #trainer { height: auto; padding: 0 1 1 1; }
-    .spark-label { height: 1; padding: 0 1; color: $text-muted; }
-    Sparkline { height: 1fr; min-height: 3; margin: 0 1 1 1; }
+    .spark-label { height: auto; padding: 0 1; color: $text-muted; }
+    AxisSparkline { height: 1fr; min-height: 3; margin: 0 1 1 1; }
     """
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("r", "restart", "Restart selected actor"),
@@ -107,6 +119,8 @@ class StatusApp(App[None]):
         self.op_in_flight: str | None = None
         self.render_error = ""
         self.polls = 0
+        self.outcome = ""
+        """How the run stands when no cluster answers (``_runs.run_outcome``)."""
         self._poke = asyncio.Event()
 
     # ------------------------------------------------------------------ layout
@@ -125,9 +139,9 @@ class StatusApp(App[None]):
                 yield Static("Trainer", classes="title")
                 yield Static("waiting for the first status…", id="trainer")
                 yield Static("reward", classes="spark-label", id="reward-label")
-                yield Sparkline([], id="reward")
+                yield AxisSparkline(known=REWARD_RANGE, style="green", id="reward")
                 yield Static("loss", classes="spark-label", id="loss-label")
-                yield Sparkline([], id="loss")
+                yield AxisSparkline(style="magenta", id="loss")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -175,6 +189,7 @@ class StatusApp(App[None]):
 
     def _lost(self, exc: ClusterNotRunning) -> None:
         self.reason = str(exc)
+        self.outcome = run_outcome(self.run_dir)[0]
         if (self.run_dir / CONTROL_FILE).exists():
             # control.json left behind: its process died (or does not answer yet)
             self.connection = "gone" if "is gone" in self.reason else "unreachable"
@@ -192,13 +207,13 @@ class StatusApp(App[None]):
         retry = f"retrying every {self.interval:g}s"
         stale = ""
         if self.snapshot_at is not None:
-            stale = f"; showing the last status, from {_ago(time.time() - self.snapshot_at)}"
+            stale = f"; showing the last status, from {ago(time.time() - self.snapshot_at)}"
         if self.connection == "connecting":
             return f"connecting to the cluster in {self.run_dir}…", "info"
         if self.connection == "absent":
             return (
                 f"no running cluster in {self.run_dir}: start one with `relax up CLUSTER_TOML` "
-                f"— {retry}",
+                f"— {retry}\n{self.outcome}",
                 "warn",
             )
         if self.connection == "stopped":
@@ -206,7 +221,7 @@ class StatusApp(App[None]):
             at = f" at trainer version {version}" if version is not None else ""
             return (
                 f"■ the cluster has stopped{at}; {retry} (`relax up CLUSTER_TOML --resume` "
-                f"continues the run){stale}",
+                f"continues the run){stale}\n{self.outcome}",
                 "error",
             )
         if self.connection == "gone":
@@ -234,7 +249,7 @@ class StatusApp(App[None]):
     def _show_banner(self) -> None:
         text, level = self.banner_text()
         banner = self.query_one("#banner", Static)
-        banner.update(text)
+        banner.update(Text(text))  # plain: a reason or up.log line may hold "[...]"
         banner.set_classes(level)
         banner.display = bool(text)
 
@@ -243,7 +258,7 @@ class StatusApp(App[None]):
     def _render_snapshot(self, snap: dict[str, Any]) -> None:
         cluster = snap.get("cluster", "?")
         self.title = f"relax status · {cluster}"
-        sub_title = f"{snap.get('run_dir', self.run_dir)} · up {_duration(snap.get('uptime_s'))}"
+        sub_title = f"{snap.get('run_dir', self.run_dir)} · up {duration(snap.get('uptime_s'))}"
         if snap.get("metrics_url"):
             sub_title += f" · {snap['metrics_url']}"
         self.sub_title = sub_title
@@ -264,7 +279,7 @@ class StatusApp(App[None]):
         self.query_one("#actors-title", Static).update(title)
         table = self.query_one("#actors", DataTable)
         seen = []
-        for path, depth, child in _flatten(tree):
+        for path, depth, child in flatten(tree):
             seen.append(path)
             state = str(child.get("state", "?"))
             crash = child.get("last_crash") or {}
@@ -273,14 +288,14 @@ class StatusApp(App[None]):
                 cause = Text(crash.get("description") or crash.get("message") or crash["kind"])
                 cause.stylize("red")
                 if crash.get("at"):
-                    cause.append(f" ({_ago(time.time() - crash['at'])})", style="dim")
+                    cause.append(f" ({ago(time.time() - crash['at'])})", style="dim")
             restarts = int(child.get("restart_count") or 0)
             cells = {
                 "actor": Text("  " * depth + str(child.get("id")), style="bold"),
                 "state": Text(state, style=STATE_STYLES.get(state, "")),
                 "placement": str(child.get("placement", "")),
                 "pids": ",".join(str(p) for p in child.get("pids") or []) or "—",
-                "uptime": _duration(child.get("uptime_s")),
+                "uptime": duration(child.get("uptime_s")),
                 "restarts": Text(str(restarts), style="bold yellow" if restarts else ""),
                 "last crash": cause,
             }
@@ -315,16 +330,16 @@ class StatusApp(App[None]):
             Text("PAUSED", style="bold yellow") if self.paused else Text("running", style="green")
         )
         row("generation", generation)
-        row("reward", _fmt(last.get("reward_mean")) + _avg(recent, "reward_mean"))
-        row("loss", _fmt(last.get("loss")) + _avg(recent, "loss"))
+        row("reward", fmt(last.get("reward_mean")) + average(recent, "reward_mean"))
+        row("loss", fmt(last.get("loss")) + average(recent, "loss"))
         kl = last.get("kl", last.get("approx_kl"))
-        row("kl/entropy", f"{_fmt(kl)} / {_fmt(last.get('entropy'))}")
+        row("kl/entropy", f"{fmt(kl)} / {fmt(last.get('entropy'))}")
         times = [r["step_time_s"] for r in recent if r.get("step_time_s")]
         step_time = "—"
         if last.get("step_time_s"):
-            step_time = _seconds(last["step_time_s"])
+            step_time = seconds(last["step_time_s"])
             if times:
-                step_time += f"  (avg {_seconds(sum(times) / len(times))})"
+                step_time += f"  (avg {seconds(sum(times) / len(times))})"
         row("step time", step_time)
         with_tokens = [r for r in recent if r.get("tokens") and r.get("step_time_s")]
         rate = "—"
@@ -336,12 +351,15 @@ class StatusApp(App[None]):
         self.query_one("#trainer", Static).update(lines)
         rewards = [float(r.get("reward_mean", 0.0)) for r in applied][-SPARK_POINTS:]
         losses = [float(r.get("loss", 0.0)) for r in applied][-SPARK_POINTS:]
-        self.query_one("#reward", Sparkline).data = rewards
-        self.query_one("#loss", Sparkline).data = losses
+        reward_chart = self.query_one("#reward", AxisSparkline)
+        loss_chart = self.query_one("#loss", AxisSparkline)
+        reward_chart.data, loss_chart.data = rewards, losses
         self.query_one("#reward-label", Static).update(
-            f"reward (mean per step, last {len(rewards)} steps)"
+            f"reward (mean per step, last {len(rewards)} steps) · {reward_chart.scale_text()}"
         )
-        self.query_one("#loss-label", Static).update(f"loss (last {len(losses)} steps)")
+        self.query_one("#loss-label", Static).update(
+            f"loss (last {len(losses)} steps) · {loss_chart.scale_text()}"
+        )
 
     def _render_buses(self, buses: dict[str, Any]) -> None:
         table = self.query_one("#tasks", DataTable)
@@ -369,7 +387,7 @@ class StatusApp(App[None]):
                         table.update_cell(key, column, value, update_width=True)
                 else:
                     table.add_row(*(cells[c] for c in TASK_COLUMNS), key=key)
-            summary.append_text(_bus_summary(name, stats))
+            summary.append_text(bus_summary(name, stats))
         for key in [k.value for k in table.rows if k.value not in seen]:
             table.remove_row(key)
         summary.rstrip()
@@ -396,7 +414,22 @@ class StatusApp(App[None]):
                 f"{actor}: only top-level children can be restarted from here", severity="warning"
             )
         else:
-            self._operate("restart", {"op": "restart", "child": actor}, f"restarted {actor}")
+            # A restart kills work in flight (a generation batch, a training step): ask first.
+            def answered(yes: bool | None) -> None:
+                if yes:
+                    self._operate(
+                        "restart", {"op": "restart", "child": actor}, f"restarted {actor}"
+                    )
+                else:
+                    self.notify(f"{actor} not restarted")
+
+            self.push_screen(
+                Confirm(
+                    f"Restart [b]{actor}[/b]? It stops (work in flight is lost or redone) and "
+                    "starts again in place."
+                ),
+                answered,
+            )
 
     def action_toggle_pause(self) -> None:
         if self.paused is None:
@@ -429,96 +462,6 @@ class StatusApp(App[None]):
             self.op_in_flight = None
             self._show_banner()
             self.refresh_now()
-
-
-# ---------------------------------------------------------------------- formatting helpers
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "", depth: int = 0) -> Iterator[Any]:
-    for child in tree.get("children") or []:
-        path = f"{prefix}{child.get('id')}"
-        yield path, depth, child
-        if child.get("children"):
-            yield from _flatten(child, f"{path}/", depth + 1)
-
-
-def _bus_summary(name: str, stats: dict[str, Any]) -> Text:
-    text = Text()
-    rows, capacity = int(stats.get("rows", 0)), int(stats.get("capacity") or 0)
-    text.append(f"{name:<8}", style="bold")
-    if capacity:
-        use = rows / capacity
-        filled = round(10 * min(use, 1.0))
-        style = "red" if use >= 0.9 else "yellow" if use >= 0.6 else "green"
-        text.append(f"rows {rows}/{capacity} ")
-        text.append("█" * filled, style=style)
-        text.append("░" * (10 - filled), style="dim")
-        text.append(f" {use:.0%}")
-    else:
-        text.append(f"rows {rows}")
-    in_flight = stats.get("versions_in_flight") or {}
-    versions = ", ".join(f"v{v}: {n}" for v, n in sorted(in_flight.items(), key=_version_key))
-    text.append(f"   versions in flight: {versions or '—'}")
-    current = (stats.get("weights") or {}).get("current", -1)
-    if current is not None and current >= 0:
-        text.append(f"   weights v{current}")
-    text.append("\n" + " " * 8)
-    counters = stats.get("counters") or {}
-    text.append(f"put {counters.get('put', 0)} · trained {counters.get('trained', 0)}")
-    stale = int(counters.get("dropped_stale", 0))
-    text.append(" · stale drops ")
-    text.append(str(stale), style="bold yellow" if stale else "")
-    others = {
-        k: v
-        for k, v in counters.items()
-        if (k.startswith("dropped_") and k != "dropped_stale") or k.startswith("expired_")
-    }
-    for key, value in sorted(others.items()):
-        text.append(f" · {key.replace('_', ' ')} ")
-        text.append(str(value), style="yellow" if value else "")
-    text.append("\n")
-    return text
-
-
-def _version_key(item: tuple[str, Any]) -> float:
-    try:
-        return float(item[0])
-    except ValueError:
-        return float("inf")
-
-
-def _avg(records: list[dict[str, Any]], key: str) -> str:
-    values = [float(r[key]) for r in records if r.get(key) is not None]
-    return f"  (avg {_fmt(sum(values) / len(values))})" if len(values) > 1 else ""
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def _seconds(value: float) -> str:
-    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
-
-
-def _duration(seconds: Any) -> str:
-    if seconds is None:
-        return "—"
-    seconds = float(seconds)
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, secs = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m"
-
-
-def _ago(seconds: float) -> str:
-    return f"{_duration(max(seconds, 0.0))} ago"
 
 
 __all__ = ["StatusApp"]

@@ -14,10 +14,10 @@ Files ``relax up`` adds to a run folder: ``run.json`` (how it was started: the c
 overrides, where checkpoints and the tokenizer are), ``plots/`` (charts at the end of a run,
 with matplotlib installed), and with ``--detach`` ``up.log`` (all output) and ``up.pid``.
 
-This module holds the command: its options and the order of things (config, pre-flight,
-which run folder, then the foreground or a detached run). The parts live beside it:
+This module holds the command: its options and the order of things (the config and the
+preflight — exactly what ``relax validate`` checks, ``relax.preflight`` — then which run
+folder, then the foreground or a detached run). The parts live beside it:
 
-- ``_up_preflight``: files the config points at, checked before anything starts;
 - ``_up_run_folder``: ``run.json``, the run folder's name, ``--resume``'s pick, the resume hint;
 - ``_up_foreground``: running the tree here and reporting how it ended;
 - ``_up_progress``: the progress bar or plain step lines, fed by ``metrics.jsonl``;
@@ -28,6 +28,8 @@ which run folder, then the foreground or a detached run). The parts live beside 
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -36,7 +38,6 @@ import typer
 from relax.cli._app import app
 from relax.cli._up_detach import launch_detached
 from relax.cli._up_foreground import run_foreground
-from relax.cli._up_preflight import preflight_or_exit
 from relax.cli._up_run_folder import (  # noqa: F401  (relax down and relax ckpt import these here)
     UP_PID,
     default_run_dir,
@@ -128,9 +129,42 @@ def up(
     Ctrl-C stops it cleanly (the trainer saves a checkpoint) and tells you how to resume.
     """
     overrides = list(overrides or ())
+    # A background `relax up --detach` gets its secret overrides from the environment.
+    from relax.cli._up_detach import ENV_SECRET_OVERRIDES
+
+    overrides += json.loads(os.environ.pop(ENV_SECRET_OVERRIDES, "[]"))
+    # Everything the run writes (bus segments, logs, endpoint files, checkpoints) is for its
+    # owner only; children inherit the mask.
+    umask = os.umask(0o077)
+    try:
+        _up(
+            cluster_toml,
+            overrides,
+            run_dir,
+            resume,
+            sync,
+            detach,
+            progress,
+            verbose,
+            start_timeout,
+        )
+    finally:
+        os.umask(umask)
+
+
+def _up(
+    cluster_toml: Path,
+    overrides: list[str],
+    run_dir: Path | None,
+    resume: bool,
+    sync: bool,
+    detach: bool,
+    progress: bool | None,
+    verbose: bool,
+    start_timeout: float,
+) -> None:
     try:
         cfg = load_or_exit(cluster_toml, overrides)
-        preflight_or_exit(cfg, cluster_toml)
         if detach and sync:
             typer.echo("--sync runs in this process; it cannot be combined with --detach", err=True)
             raise typer.Exit(EXIT_INVALID)

@@ -4,6 +4,7 @@ and its pid in ``RUN_DIR/up.pid``, and return once its control endpoint is up.""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -15,7 +16,19 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from relax.cli._up_run_folder import UP_LOG, UP_PID, set_flags
+from relax.cli._up_run_folder import (
+    UP_LOG,
+    UP_PID,
+    is_secret_override,
+    private_folder,
+    redacted,
+    set_flags,
+    write_private,
+)
+
+ENV_SECRET_OVERRIDES = "RELAX_UP_SECRET_OVERRIDES"
+"""Secret ``--set`` overrides reach the background ``relax up`` here (JSON), never in its
+command line (which ``ps`` shows everyone) or in ``up.log``."""
 
 if TYPE_CHECKING:
     from relax.config import ClusterConfig
@@ -32,16 +45,22 @@ def launch_detached(
 ) -> int:
     """Start ``relax up`` again in a new session, output to ``RUN_DIR/up.log``; return once
     its control endpoint is up (``control.json`` naming it) or it died."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    private_folder(run_dir)
     argv = [sys.executable, "-m", "relax.cli", "up", str(cluster_toml), "--run-dir", str(run_dir)]
     argv.append("--no-progress")
     if resume:
         argv.append("--resume")
-    argv += set_flags(overrides)
+    argv += set_flags([o for o in overrides if not is_secret_override(o)])
     log_path = run_dir / UP_LOG
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with log_path.open("ab") as log:
-        log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(argv)}\n".encode())
+    secret = [o for o in overrides if is_secret_override(o)]
+    if secret:
+        env[ENV_SECRET_OVERRIDES] = json.dumps(secret)
+    shown = shlex.join(argv + set_flags(redacted(secret)))
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "ab") as log:
+        log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {shown}\n".encode())
         log.flush()
         child = subprocess.Popen(
             argv,
@@ -51,7 +70,7 @@ def launch_detached(
             start_new_session=True,  # no terminal: Ctrl-C here or a closed shell leave it be
             env=env,
         )
-    (run_dir / UP_PID).write_text(f"{child.pid}\n")
+    write_private(run_dir / UP_PID, f"{child.pid}\n")
     deadline = time.monotonic() + start_timeout
     while True:
         code = child.poll()

@@ -153,13 +153,17 @@ def _report(cfg: ClusterConfig, run_dir: Path, outcome: Outcome, resume_text: st
     130 after Ctrl-C, 0 when done or stopped on request, 2 for a config ``--sync`` cannot
     run."""
     from relax.control import read_metrics
-    from relax.errors import RelaxError
+    from relax.errors import RelaxError, SupervisorGaveUp
 
     plots = _write_plots(run_dir)
     records = [r for r in read_metrics(run_dir) if "step" in r]
     step = max((int(r["step"]) for r in records), default=0)
     checkpoint = latest_checkpoint(run_dir, cfg)
     saved = f"; latest checkpoint {checkpoint}" if checkpoint else ""
+    # A run that never trained a step has nothing to resume (a step-0 checkpoint is the
+    # initial model): start it again instead.
+    if step == 0:
+        resume_text = ""
     if outcome.error is not None:
         exc = outcome.error
         if isinstance(exc, NotImplementedError):  # --sync with roles it cannot run
@@ -173,18 +177,26 @@ def _report(cfg: ClusterConfig, run_dir: Path, outcome: Outcome, resume_text: st
             import traceback
 
             traceback.print_exception(exc, file=sys.stderr)
+        cause = getattr(exc, "cause", None)
+        if isinstance(exc, SupervisorGaveUp) and getattr(cause, "fatal", False) and cause.traceback:
+            # An unrecoverable actor (e.g. a reward function that always raises): its own
+            # traceback, the user's code first, printed this once.
+            typer.echo(cause.traceback.rstrip("\n"), err=True)
         typer.echo(f"  what happened: relax logs --run-dir {run_dir} --level warning", err=True)
         if checkpoint:
             typer.echo(f"  latest checkpoint: {checkpoint}", err=True)
-        typer.echo(f"  once the cause is fixed, {resume_text}", err=True)
+        if resume_text:
+            typer.echo(f"  once the cause is fixed, {resume_text}", err=True)
         return 1
     if outcome.signals or outcome.cancelled:
         typer.echo(f"stopped at step {step} of {cfg.trainer.steps}{saved}{plots}", err=True)
-        typer.echo(resume_text, err=True)
+        if resume_text:
+            typer.echo(resume_text, err=True)
         return EXIT_INTERRUPTED
     if step < cfg.trainer.steps:  # a control "stop" (relax down)
         typer.echo(f"stopped on request at step {step} of {cfg.trainer.steps}{saved}{plots}")
-        typer.echo(resume_text)
+        if resume_text:
+            typer.echo(resume_text)
         return 0
     applied = [r for r in records if r.get("applied")]
     if applied:

@@ -23,6 +23,41 @@ UP_PID = "up.pid"
 """The pid of a ``relax up --detach`` cluster, from before it serves ``control.json``."""
 
 
+SECRET_WORDS = ("secret", "token", "password", "api_key")
+"""A ``--set`` whose key's last part contains one of these carries a secret."""
+REDACTED = "<secret>"
+
+
+def is_secret_override(override: str) -> bool:
+    """Whether ``KEY=VALUE`` sets a secret (``cluster.secret=...``): it must never be written to
+    ``run.json``, a log or a printed command."""
+    last = override.partition("=")[0].strip().rsplit(".", 1)[-1].lower()
+    return any(word in last for word in SECRET_WORDS)
+
+
+def redacted(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` with the value of every secret one replaced by ``<secret>``."""
+    return [
+        f"{item.partition('=')[0]}={REDACTED}" if is_secret_override(item) else item
+        for item in overrides
+    ]
+
+
+def private_folder(path: Path) -> None:
+    """Make ``path`` (and parents) with mode 0700: a run folder holds data, logs and endpoint
+    files that only its owner should read."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` with mode 0600 (also when the file existed)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def read_run_info(run_dir: Path) -> dict[str, Any]:
     """The run's ``run.json`` (empty when ``relax up`` did not write one, or it is unreadable)."""
     try:
@@ -47,7 +82,7 @@ def write_run_info(
     info = {
         "cluster": cfg.cluster.name,
         "cluster_toml": _absolute(cluster_toml),
-        "overrides": list(overrides),
+        "overrides": redacted(overrides),  # never a secret in a file
         "steps": cfg.trainer.steps,
         "run_dir": _absolute(run_dir),
         "checkpoint_dir": _absolute(Path(run_dir) / cfg.checkpoint.dir),
@@ -58,8 +93,8 @@ def write_run_info(
         "pid": os.getpid(),
         "started_at": time.time(),
     }
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(run_dir) / RUN_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    private_folder(Path(run_dir))
+    write_private(Path(run_dir) / RUN_INFO, json.dumps(info, indent=2) + "\n")
 
 
 def default_run_dir(cfg: ClusterConfig) -> Path:
@@ -92,12 +127,12 @@ def resume_hint(
     cluster_toml: Path, overrides: Sequence[str], run_dir: Path, cfg: ClusterConfig
 ) -> str:
     """The command that continues this run (``--run-dir`` only when ``--resume`` alone would
-    pick another folder)."""
+    pick another folder); a secret ``--set`` shows as ``<secret>``, to be given again."""
     argv = ["relax", "up", str(cluster_toml), "--resume"]
     newest = newest_run_of(Path(cfg.cluster.run_dir), cfg.cluster.name)
     if newest is None or newest.resolve() != Path(run_dir).resolve():
         argv += ["--run-dir", str(run_dir)]
-    return shlex.join(argv + set_flags(overrides))
+    return shlex.join(argv + set_flags(redacted(overrides)))
 
 
 def latest_checkpoint(run_dir: Path, cfg: ClusterConfig) -> Path | None:

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from relax.cli._app import app
-from relax.config import ClusterConfig, load_config
+from relax.config import ClusterConfig
 from relax.errors import ConfigError, ConfigIssue
 
 EXIT_INVALID = 2
@@ -46,7 +46,9 @@ def validate(
 ) -> None:
     """Check CLUSTER_TOML and print a summary; on errors list every problem and exit 2.
 
-    Nothing is started, and files the config points to (model folders, data) are not opened.
+    The same checks `relax up` runs before it starts anything: every key, the files the config
+    points to, its import paths (they are imported), the secret it names, its fixed ports.
+    Nothing is started and no run folder is made.
     """
     source = str(cluster_toml)
     config = load_or_exit(cluster_toml, overrides or ())
@@ -58,10 +60,13 @@ def validate(
 
 
 def load_or_exit(cluster_toml: Path, overrides: Sequence[str] = ()) -> ClusterConfig:
-    """The validated config, or every problem printed to stderr and exit code 2 (nothing starts)."""
+    """The validated config that passed the preflight (``relax.preflight.load_checked``), or
+    every problem printed to stderr and exit code 2 (nothing starts, no run folder is made)."""
+    from relax.preflight import load_checked
+
     source = str(cluster_toml)
     try:
-        return load_config(cluster_toml, overrides=overrides)
+        return load_checked(cluster_toml, overrides)
     except ConfigError as exc:
         origin = exc.source if exc.source == "overrides" else source
         for issue in exc.issues:

@@ -66,8 +66,15 @@ async def _wait(condition, timeout: float, what: str) -> None:
 
 
 async def main(out: Path) -> None:
+    home = Path.cwd()
     with tempfile.TemporaryDirectory(prefix="relax-tui-") as tmp:
-        await screenshot(Path(tmp) / "digits-run", out)
+        # A relative run folder, as `relax up` makes under ./runs: the picture shows no
+        # temporary path of the machine that drew it.
+        os.chdir(tmp)
+        try:
+            await screenshot(Path("runs") / "digits-20260101-120000", out)
+        finally:
+            os.chdir(home)
     print(f"wrote {out}")
 
 
@@ -119,4 +126,4 @@ async def _true(value: bool) -> bool:
 
 if __name__ == "__main__":
     target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).with_name("tui.svg")
-    asyncio.run(main(target))
+    asyncio.run(main(target.resolve()))

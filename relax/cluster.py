@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import shutil
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,7 @@ from relax.control import ControlServer
 from relax.errors import ConfigError
 from relax.log import LOGS_DIR, configure_logging, get_logger, log_files
 from relax.observe import check_sinks, serve_metrics
+from relax.preflight import check, resolve_secret
 from relax.roles import (
     CriticRole,
     DatasetRole,
@@ -52,26 +56,60 @@ from relax.roles import (
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a run lives and how its parts reach each other."""
+    """Where a run lives and how its parts reach each other.
+
+    ``release()`` removes what the run holds outside its folder — the private folder of its
+    ipc sockets, the TCP ports it reserved — once the run ends (``run`` does it; otherwise it
+    happens when the layout is garbage-collected or the interpreter exits).
+    """
 
     run_dir: Path
     model_dir: Path
     prompts_url: str
     samples_url: str
+    sockets: Path | None = field(default=None, compare=False)
+    """The temporary folder of the buses' ipc sockets, if they use ipc."""
+    reserved: tuple[socket.socket, ...] = field(default=(), compare=False, repr=False)
+    """Sockets holding the buses' TCP ports for the life of the run (see ``_reserve_port``)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "_finalizer", weakref.finalize(self, _release, self.sockets, self.reserved)
+        )
+
+    def release(self) -> None:
+        """Remove the ipc socket folder and free the reserved ports (idempotent)."""
+        self._finalizer()  # type: ignore[attr-defined]
+
+
+def _release(sockets: Path | None, reserved: tuple[socket.socket, ...]) -> None:
+    for sock in reserved:
+        sock.close()
+    if sockets is not None:
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+def make_private_dir(path: Path) -> None:
+    """Create ``path`` (and its parents) and make it 0700: a run folder holds data, logs and
+    endpoint files only its owner should read."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
 
 
 def prepare(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Layout:
-    """Create the run folder, build or check the model, and pick the bus addresses.
+    """Run the preflight, create the run folder (0700), build or check the model, and pick
+    the bus addresses.
 
-    Raises ``ConfigError`` first if a metrics sink ``[logging]`` enables lacks its package.
+    Raises ``ConfigError`` with every problem ``relax.preflight`` finds before anything is made.
     """
-    check_sinks(cfg.logging)
+    check_sinks(cfg.logging)  # a missing sink package raises its own MissingPackage
+    check(cfg)
     root = (
         Path(run_dir)
         if run_dir
         else Path(cfg.cluster.run_dir) / f"{cfg.cluster.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
-    root.mkdir(parents=True, exist_ok=True)
+    make_private_dir(root)
     if cfg.model.init is not None:
         from relax.engines import build_tiny_model
 
@@ -85,25 +123,44 @@ def prepare(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Layout:
                 f"model.path: {str(model_dir)!r} is not a Hugging Face model folder (no config.json)"
             )
     transport = cfg.bus_transport
+    host = cfg.cluster.host
     if transport == "inproc":
-        urls = (f"inproc://{root}/prompts", f"inproc://{root}/samples")
-    elif transport == "ipc":
-        sockets = Path(tempfile.mkdtemp(prefix="relax-"))  # unix socket paths must stay short
-        urls = (f"ipc://{sockets}/prompts.sock", f"ipc://{sockets}/samples.sock")
+        return Layout(root, model_dir, f"inproc://{root}/prompts", f"inproc://{root}/samples")
+    if transport == "ipc":
+        sockets = Path(tempfile.mkdtemp(prefix="relax-"))  # 0700; unix socket paths are short
+        return Layout(
+            root,
+            model_dir,
+            f"ipc://{sockets}/prompts.sock",
+            f"ipc://{sockets}/samples.sock",
+            sockets=sockets,
+        )
+    prompts = _reserve_port(host)
+    if cfg.cluster.ports.bus:
+        samples_url = f"tcp://{host}:{cfg.cluster.ports.bus}"
+        reserved: tuple[socket.socket, ...] = (prompts,)
     else:
-        urls = (f"tcp://{cfg.cluster.host}:{_free_port(cfg.cluster.host)}", _tcp_url(cfg))
-    return Layout(root, model_dir, *urls)
+        samples = _reserve_port(host)
+        samples_url = f"tcp://{host}:{samples.getsockname()[1]}"
+        reserved = (prompts, samples)
+    prompts_url = f"tcp://{host}:{prompts.getsockname()[1]}"
+    return Layout(root, model_dir, prompts_url, samples_url, reserved=reserved)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def _reserve_port(host: str) -> socket.socket:
+    """A socket bound (not listening) to a free port of ``host``, kept open for the run.
 
-
-def _tcp_url(cfg: ClusterConfig) -> str:
-    port = cfg.cluster.ports.bus or _free_port(cfg.cluster.host)
-    return f"tcp://{cfg.cluster.host}:{port}"
+    A bus needs a port that stays the same across its restarts (its clients reconnect to it),
+    so it cannot just listen on port 0 each time. Picking a free port and closing the socket
+    would let any other process take it before the bus binds it; holding it bound with
+    SO_REUSEADDR keeps the kernel from handing it out, while the bus's listener (NNG sets
+    SO_REUSEADDR too) may bind it, at its first start and after every restart.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    return sock
 
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -121,16 +178,17 @@ def _placement(role: Any) -> Placement:
             heartbeat_timeout=role.heartbeat_timeout,
             env=env,
         )
-    raise ConfigError(
-        f"placement {role.placement!r} is not available yet; use 'inproc' or 'process'"
-    )
+    raise ConfigError(f"placement {role.placement!r} is not built yet; use 'process' or 'inproc'")
 
 
 def plain_config(cfg: ClusterConfig) -> dict[str, Any]:
-    """The config as plain data for the roles (it crosses process boundaries), secret included."""
+    """The config as plain data for the roles (it crosses process boundaries), with the
+    secret resolved once here (from ``secret`` or the ``secret_env`` variable), so every role
+    and bus uses the very same one."""
     data = cfg.model_dump(mode="json")
-    if cfg.cluster.secret is not None:
-        data["cluster"]["secret"] = cfg.cluster.secret.get_secret_value()
+    secret = resolve_secret(cfg)
+    data["cluster"]["secret"] = secret
+    data["cluster"]["secret_env"] = None
     return data
 
 
@@ -229,6 +287,19 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
             role(f"rollout-{i}", RolloutRole, cfg.rollout, **prompts_at, **samples_at, **run_dir)
             for i in range(cfg.rollout.replicas)
         ),
+        # The user's [[actors]], last: they may talk to the roles and buses.
+        *(
+            ChildSpec(
+                actor.id,
+                actor.start,
+                kwargs=dict(actor.kwargs),
+                placement=_placement(actor),
+                restart=Restart(actor.restart),
+                shutdown=cfg.shutdown_for(actor),
+                gang=actor.gang,
+            )
+            for actor in cfg.actors
+        ),
     ]
     sup = cfg.supervisor
     return Supervisor(
@@ -249,9 +320,11 @@ def control_server(cfg: ClusterConfig, layout: Layout, tree: Supervisor) -> Cont
         run_dir=layout.run_dir,
         name=cfg.cluster.name,
         bus_urls={"prompts": layout.prompts_url, "samples": layout.samples_url},
-        bus_secret=plain_config(cfg)["cluster"].get("secret"),
+        bus_secret=resolve_secret(cfg),
         rollouts=[f"rollout-{i}" for i in range(cfg.rollout.replicas)],
-        host=cfg.cluster.host if cfg.bus_transport == "tcp" else None,
+        # TCP when the cluster talks TCP or a fixed port is asked for; ipc otherwise.
+        host=cfg.cluster.host if cfg.bus_transport == "tcp" or cfg.cluster.ports.control else None,
+        port=cfg.cluster.ports.control,
     )
 
 
@@ -263,8 +336,11 @@ async def run(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Layout:
     # Log files for this run: every actor of this task and every child process started
     # meanwhile (they inherit RELAX_LOG_DIR) writes RUN_DIR/logs/<actor>.jsonl.
     logs = layout.run_dir / LOGS_DIR if cfg.logging.log_files else None
-    with log_files(logs):
-        await _serve(cfg, layout)
+    try:
+        with log_files(logs):
+            await _serve(cfg, layout)
+    finally:
+        layout.release()
     return layout
 
 

@@ -9,7 +9,8 @@ someone who can read the run folder can steer the run). Requests are plain dicts
   version and its most recent ``metrics.jsonl`` records (and ``metrics_url``, the Prometheus
   endpoint that serves the same numbers, when ``[logging] prometheus`` is on);
 - ``{"op": "restart", "child": ID}`` → restart one child in place;
-- ``{"op": "pause"}`` / ``{"op": "resume"}`` → stop / restart generation (every rollout);
+- ``{"op": "pause"}`` / ``{"op": "resume"}`` → stop / restart generation (every rollout); the
+  state is kept in ``RUN_DIR/paused``, so a rollout restarted meanwhile comes back in it;
 - ``{"op": "stop"}`` → stop the tree in reverse start order (the trainer checkpoints first).
 
 Nothing here is specific to the TUI: scripts get the same data from ``relax status --json``.
@@ -22,6 +23,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -30,15 +32,12 @@ from typing import Any
 
 from relax.actors import Supervisor
 from relax.bus import BusClient
-from relax.errors import RelaxError
+from relax.errors import ClusterNotRunning, RelaxError
+from relax.roles._rollout import set_pause_requested
 from relax.transport import Client, Peer, connect, serve
 
 CONTROL_FILE = "control.json"
 """Name of the file in a run folder that says how to reach its running cluster."""
-
-
-class ClusterNotRunning(RelaxError):
-    """No live cluster answers for this run folder: start one with ``relax up``."""
 
 
 class ControlServer:
@@ -54,10 +53,13 @@ class ControlServer:
         bus_secret: str | None,
         rollouts: list[str],
         host: str | None = None,
+        port: int = 0,
     ) -> None:
         self.tree, self.run_dir, self.name = tree, Path(run_dir), name
         self.bus_urls, self.bus_secret, self.rollouts = bus_urls, bus_secret, rollouts
         self.host = host
+        self.port = port
+        """TCP port to listen on with ``host`` (``cluster.ports.control``); 0 picks a free one."""
         self.stop_requested = asyncio.Event()
         self.paused = False
         self._buses: dict[str, BusClient] = {}
@@ -111,9 +113,11 @@ class ControlServer:
             await self.tree.restart_child(child)
             return {"restarted": child}
         if op in ("pause", "resume"):
+            # Recorded first: a rollout that restarts while (or after) it is told reads it.
+            self.paused = op == "pause"
+            set_pause_requested(self.run_dir, self.paused)
             for rollout in self.rollouts:
                 await self.tree.ref(rollout).call(op, timeout=30)
-            self.paused = op == "pause"
             return {"paused": self.paused}
         if op == "stop":
             self.stop_requested.set()
@@ -126,12 +130,20 @@ class ControlServer:
     async def serving(self) -> AsyncIterator[ControlServer]:
         """Serve while the block runs; ``control.json`` exists exactly that long."""
         token = secrets.token_hex(16)
+        # A new cluster starts unpaused, whatever an earlier run in this folder left.
+        set_pause_requested(self.run_dir, False)
+        sockets: Path | None = None
         if self.host:
-            url = f"tcp://{self.host}:0"
+            url = f"tcp://{self.host}:{self.port}"
         else:
-            sockets = Path(tempfile.mkdtemp(prefix="relax-ctl-"))  # unix socket paths are short
+            sockets = Path(tempfile.mkdtemp(prefix="relax-ctl-"))  # 0700; socket paths are short
             url = f"ipc://{sockets}/control.sock"
-        server = await serve(url, self._handle, secret=token, concurrency=8)
+        try:
+            server = await serve(url, self._handle, secret=token, concurrency=8)
+        except BaseException:
+            if sockets is not None:
+                shutil.rmtree(sockets, ignore_errors=True)
+            raise
         self.url = server.url
         info = {
             "url": server.url,
@@ -153,6 +165,8 @@ class ControlServer:
         finally:
             path.unlink(missing_ok=True)
             await server.aclose()
+            if sockets is not None:  # the temporary folder goes with the endpoint
+                shutil.rmtree(sockets, ignore_errors=True)
             for bus in self._buses.values():
                 with contextlib.suppress(Exception):
                     await bus.aclose()

@@ -41,6 +41,8 @@ _configured = False
 ENV_LEVEL = "RELAX_LOG_LEVEL"
 ENV_FORMAT = "RELAX_LOG_FORMAT"
 ENV_LOG_DIR = "RELAX_LOG_DIR"
+ENV_CONSOLE = "RELAX_LOG_CONSOLE"
+"""``0``: no console lines (log files only) — an embedded run keeps its host's terminal clean."""
 """The folder of per-actor JSON log files; child processes inherit it."""
 
 LOGS_DIR = "logs"
@@ -154,6 +156,8 @@ def configure_logging(
         return
     level = (level or os.environ.get(ENV_LEVEL) or "info").lower()
     fmt = fmt or os.environ.get(ENV_FORMAT) or "auto"  # type: ignore[assignment]
+    if stream is None and os.environ.get(ENV_CONSOLE) == "0":
+        stream = open(os.devnull, "w")  # noqa: SIM115 - the process's logger, for good
     stream = stream or sys.stderr
     if fmt == "auto":
         fmt = "console" if stream.isatty() else "json"

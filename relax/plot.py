@@ -29,16 +29,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from relax.errors import RelaxError
+from relax.errors import PlotError
 
 PLOTS_DIR = "plots"
 """Folder of a run where ``relax up`` and ``relax plot`` write the charts by default."""
 
 INSTALL_HINT = "pip install 'relax-rl[plot]'  (or: pip install matplotlib)"
-
-
-class PlotError(RelaxError):
-    """The plots cannot be drawn: matplotlib is missing, or the run has no metrics yet."""
 
 
 def matplotlib_available() -> bool:

@@ -22,8 +22,8 @@ from relax.config import ClusterConfig
 from relax.engines import load_policy, load_tokenizer, open_engine, pad_token_id, stop_token_ids
 from relax.rewards import RewardSet
 from relax.roles._prompts import prompt_row, prompt_stream
-from relax.roles._reward import score_sample
-from relax.roles._rollout import generate_groups
+from relax.roles._reward import score_rows
+from relax.roles._rollout import PROMPT_FOR_REWARD, generate_groups
 from relax.training import make_backend
 
 
@@ -103,23 +103,35 @@ async def _generate_and_score(
     gens = await generate_groups(engine, cfg, prompts, stops)
     rows = []
     for i, prompt in enumerate(prompts):
-        group = []
+        # The very sample rows the rollout puts on the bus, scored as the reward role scores.
+        cols = prompt["columns"]
+        shared = {name: cols[src] for src, name in PROMPT_FOR_REWARD.items() if src in cols}
+        samples = []
         for j in range(n):
             g = gens[i * n + j]
-            answer = prompt["columns"]["answer"]
-            result = await score_sample(rewards, tokenizer, g.response_ids, answer)
-            if not result.ok:
-                group = None
-                break
-            group.append(
+            sample_cols = {
+                "prompt_ids": list(g.prompt_ids),
+                "response_ids": list(g.response_ids),
+                "logprobs": list(g.logprobs),
+                "answer": cols["answer"],
+                **shared,
+            }
+            samples.append(
+                {"uid": f"{prompt['uid']}/{j}", "group": prompt["uid"], "columns": sample_cols}
+            )
+        results = await score_rows(rewards, tokenizer, samples, cfg.data.answer_key)
+        if not all(result.ok for result in results):
+            continue
+        for sample, result in zip(samples, results, strict=True):
+            c = sample["columns"]
+            rows.append(
                 {
-                    "uid": f"{prompt['uid']}/{j}",
-                    "group": prompt["uid"],
-                    "prompt_ids": list(g.prompt_ids),
-                    "response_ids": list(g.response_ids),
-                    "logprobs": list(g.logprobs),
+                    "uid": sample["uid"],
+                    "group": sample["group"],
+                    "prompt_ids": c["prompt_ids"],
+                    "response_ids": c["response_ids"],
+                    "logprobs": c["logprobs"],
                     "reward": float(result.reward),
                 }
             )
-        rows += group or []
     return rows

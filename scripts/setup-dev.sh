@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python -m pip install --quiet --upgrade pip
+python -m pip install --quiet --upgrade pip "setuptools>=77" wheel
 # CPU torch first, from the local wheel: a bare `torch` requirement could pull a CUDA build.
 python -m pip install --quiet torch==2.13.0
 python -m pip install --quiet -e ".[dev,deepspeed]"

@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from relax.errors import error_to_dict
+from relax.errors import SupervisorGaveUp, Unrecoverable, error_to_dict
 
 ExitKind = Literal[
     "normal",  # the actor finished on its own (run() returned, or it called stop())
@@ -34,6 +34,8 @@ class Exit:
     member: int | None = None
     """Gang rank of the member whose end ended the gang, if the child is a gang."""
     at: float = field(default_factory=time.time)
+    fatal: bool = False
+    """It raised ``Unrecoverable``: its supervisor stops the tree instead of restarting it."""
 
     @property
     def normal(self) -> bool:
@@ -60,7 +62,10 @@ class Exit:
     @classmethod
     def from_exception(cls, exc: BaseException, kind: ExitKind = "exception") -> Exit:
         data = error_to_dict(exc)
-        return cls(kind, data["message"], data["type"], data["traceback"])
+        fatal = isinstance(exc, Unrecoverable) or (
+            isinstance(exc, SupervisorGaveUp) and getattr(exc.cause, "fatal", False) is True
+        )
+        return cls(kind, data["message"], data["type"], data["traceback"], fatal=fatal)
 
     @classmethod
     def from_returncode(cls, returncode: int) -> Exit:

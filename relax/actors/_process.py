@@ -1,6 +1,7 @@
 """The supervisor's side of an actor hosted in its own OS process.
 
-The child is ``python -m relax.actors._host``; it dials a PAIR socket this side listens on
+The child is ``relax.actors._host`` run as a module, with this process's ``sys.path`` appended
+to its own (never in front of the standard library and site-packages); it dials a PAIR socket this side listens on
 (IPC in a private directory by default, TCP on loopback on request), proves itself with a
 one-time token, and then serves calls. This side watches three things and turns each into an
 ``Exit``: the process's own end (exit code or signal), the child's last word (an exception
@@ -33,6 +34,20 @@ from relax.errors import ActorDead, RelaxError, StartFailed, TransportError, err
 from relax.log import get_logger
 
 log = get_logger("relax.actors")
+
+ENV_SYS_PATH = "RELAX_SYS_PATH"
+"""The parent's ``sys.path``, which a child appends (missing entries only) to its own."""
+
+_CHILD_BOOT = (
+    "import os, sys, runpy\n"
+    # `python -c` puts the working folder first; the child does not want it there.
+    "sys.path[:] = [p for p in sys.path if p]\n"
+    f"extra = os.environ.pop({ENV_SYS_PATH!r}, '').split(os.pathsep)\n"
+    "sys.path += [p for p in dict.fromkeys(extra) if p and p not in sys.path]\n"
+    "runpy.run_module('relax.actors._host', run_name='__main__', alter_sys=True)\n"
+)
+"""What a child process runs (``python -c``): the parent's path after its own standard
+library and site-packages, then ``python -m relax.actors._host``."""
 
 
 @dataclass(frozen=True)
@@ -108,10 +123,12 @@ class ProcessMember:
         token = secrets.token_hex(16)
         env = {**os.environ, **self._gang_env, **dict(opts.env)}
         env[ENV_ADDR], env[ENV_TOKEN] = addr, token
-        # The child must import what this process can import (tests, user modules).
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        # The child must import what this process can import (tests, user modules), but a
+        # folder of ours must never shadow the standard library or an installed package in
+        # it (a json.py next to a config): it gets our path *appended* to its own.
+        env[ENV_SYS_PATH] = os.pathsep.join(p for p in sys.path if p)
         self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "relax.actors._host", env=env, stdin=asyncio.subprocess.DEVNULL
+            sys.executable, "-c", _CHILD_BOOT, env=env, stdin=asyncio.subprocess.DEVNULL
         )
         self.pid = self._proc.pid
         self._tasks.append(asyncio.create_task(self._watch_process()))

@@ -28,7 +28,17 @@ ENV_ADDR = "RELAX_HOST_ADDR"
 ENV_TOKEN = "RELAX_HOST_TOKEN"
 
 _KINDS = frozenset(get_args(ExitKind))
-_EXIT_FIELDS = ("kind", "message", "error_type", "traceback", "exit_code", "signal", "member", "at")
+_EXIT_FIELDS = (
+    "kind",
+    "message",
+    "error_type",
+    "traceback",
+    "exit_code",
+    "signal",
+    "member",
+    "at",
+    "fatal",
+)
 
 
 class Channel:
@@ -78,6 +88,8 @@ def exit_from_wire(data: Any) -> Exit:
     fields = {k: data[k] for k in _EXIT_FIELDS if k in data}
     if fields.get("kind") not in _KINDS:
         fields["kind"] = "exception"
+    if not isinstance(fields.get("fatal", False), bool):
+        fields["fatal"] = False
     try:
         return Exit(**fields)
     except TypeError:

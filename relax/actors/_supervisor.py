@@ -256,6 +256,15 @@ class Supervisor(Actor):
         level("child ended", supervisor=self.name, child=child_id, how=exit_.describe())
         if not exit_.normal:
             child.last_crash = exit_
+        if exit_.fatal:  # Unrecoverable: a restart would fail the same way; stop the tree
+            child.set_state("crashed", terminal=True)
+            self.gave_up = SupervisorGaveUp(
+                f"supervisor {self.name!r} stopped: {child_id!r} {exit_.describe()}",
+                supervisor_id=self.name,
+                cause=exit_,
+            )
+            log.error("child is unrecoverable; stopping", supervisor=self.name, child=child_id)
+            raise self.gave_up
         restart = child.spec.restart is Restart.PERMANENT or (
             child.spec.restart is Restart.TRANSIENT and not exit_.normal
         )

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from relax.errors import ChatFormatError
+
 Message = dict[str, Any]
 
 # A stand-in assistant reply: the continuation is rendered after a fixed dummy conversation so
@@ -29,10 +31,6 @@ _MARK = "\x00relax-reply\x00"
 _DUMMY: list[Message] = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-class ChatFormatError(ValueError):
-    """Messages the chat template cannot render (or a tokenizer without a chat template)."""
 
 
 def content_text(content: Any) -> str:

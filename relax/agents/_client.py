@@ -14,42 +14,28 @@ OpenAI client works too: give it ``base_url=policy.session_url(session)``.
 Errors are mapped at the edge: an HTTP error answer is an ``AgentEndpointError`` (status, type,
 param, message of the OpenAI error body); an endpoint that cannot be reached is ``PeerGone``;
 no answer within ``timeout`` is ``CallTimeout``. A call cancelled mid-flight closes its
-connection; the client stays usable.
+connection; the client stays usable. A client that knows its run (``connect``,
+``relax.embed``'s ``run.policy()``) raises ``RunFinished`` instead once the run has ended —
+the trainer finished its steps and the endpoint went away with the cluster — for the call that
+met the closing endpoint and for every call after it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
 import aiohttp
 
-from relax.errors import CallTimeout, PeerGone, RelaxError, TransportError
+from relax.errors import AgentEndpointError, CallTimeout, PeerGone, RunFinished, TransportError
 
-
-class AgentEndpointError(RelaxError):
-    """The agent endpoint answered with an error (the fields of its OpenAI error body)."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int,
-        type: str | None = None,
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        where = f" (param {param!r})" if param else ""
-        super().__init__(f"{status} {type or 'error'}: {message}{where}")
-        self.status = status
-        self.type = type
-        self.param = param
-        self.code = code
-        self.message = message
+RunEnded = Callable[[float], Awaitable[str | None]]
+"""Asked after a call failed the way a closing endpoint fails it: within the given seconds,
+has the run ended? Returns why (a sentence), or ``None`` while it goes on."""
 
 
 @dataclass
@@ -88,12 +74,25 @@ class Policy:
 
     Use it as ``async with Policy(...) as policy``; it owns one HTTP connection pool, opened
     on first use and closed on exit (or by ``aclose``). ``timeout``: seconds one call may take.
+    ``run_ended``: how to tell that the run behind the endpoint has ended (then calls raise
+    ``RunFinished``); ``grace``: how long a refused connection waits for that verdict.
     """
 
-    def __init__(self, url: str, api_key: str | None = None, *, timeout: float = 300) -> None:
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        *,
+        timeout: float = 300,
+        run_ended: RunEnded | None = None,
+        grace: float = 15.0,
+    ) -> None:
         self.url = url.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
+        self.run_ended = run_ended
+        self.grace = grace
+        self._finished: str | None = None
         self._http: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> Policy:
@@ -139,7 +138,7 @@ class Policy:
             "temperature": temperature,
             "top_p": top_p,
             "n": n,
-            "logprobs": 1,
+            "logprobs": 0,  # the sampled tokens' logprobs (no top-N alternatives)
             **_optional(seed=seed, stop=stop),
         }
         data = await self._call("POST", _route("/v1/completions", session), body)
@@ -213,9 +212,24 @@ class Policy:
             )
         return self._http
 
+    @property
+    def finished(self) -> bool:
+        """Whether this client has seen its run end (every call raises ``RunFinished``)."""
+        return self._finished is not None
+
+    async def _ended(self, what: str, within: float) -> None:
+        """Raise ``RunFinished`` if the run has ended (waiting up to ``within`` seconds)."""
+        if self._finished is None and self.run_ended is not None:
+            self._finished = await self.run_ended(within)
+        if self._finished is not None:
+            raise RunFinished(f"{what}: the run has ended ({self._finished})")
+
     async def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
-        http = self._client()
         url = self.url + path
+        what = f"{method} {url}"
+        if self._finished is not None:
+            await self._ended(what, 0)
+        http = self._client()
         try:
             async with http.request(method, url, json=body) as response:
                 status = response.status
@@ -223,6 +237,8 @@ class Policy:
         except asyncio.TimeoutError:  # aiohttp's own timeouts (a caller's cancel is not one)
             raise CallTimeout(f"{method} {url}: no answer within {self.timeout}s") from None
         except aiohttp.ClientConnectionError as exc:
+            # The endpoint closed: a run that finished, or a rollout that died (it restarts).
+            await self._ended(what, self.grace)
             raise PeerGone(f"{method} {url}: the agent endpoint is unreachable: {exc}") from exc
         except aiohttp.ClientError as exc:
             raise TransportError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
@@ -230,6 +246,8 @@ class Policy:
             data = json.loads(raw)
         except ValueError:
             data = None
+        if status >= 500:  # a request cut short by the endpoint closing looks like this too
+            await self._ended(what, 0)
         if status >= 400:
             error = data.get("error") if isinstance(data, dict) else None
             if not isinstance(error, dict):

@@ -8,17 +8,25 @@ call has one set) and runs it as one batch. No timer decides the batch, so an id
 starts a lone request at once. Each request carries its own seed, so its reply does not depend
 on which other requests shared its batch. A request may carry its prompt's media
 (``mm_inputs``); text and media requests share a batch (the engine takes media per prompt).
+
+Streaming: a request with ``on_token`` hears each of its tokens as the engine samples it
+(``TokenEvent.sequence`` is then the choice, 0 … n - 1), also when it shares a batch; an engine
+that does not stream has its finished replies replayed as events, so callers have one path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from relax.engines import EngineError, Generation, GenerationEngine, SamplingParams
+from relax.engines import EngineError, Generation, GenerationEngine, SamplingParams, TokenEvent
+from relax.engines._base import bias_pairs
+
+TokenCallback = Callable[[TokenEvent], None]
+"""Hears one token of a request (``sequence`` = which of its ``n`` choices)."""
 
 
 @dataclass
@@ -27,6 +35,7 @@ class _Request:
     key: tuple[Any, ...]
     seed: int | None
     media: Mapping[str, Any] | None = None
+    on_token: TokenCallback | None = None
     done: asyncio.Future[list[Generation]] = field(repr=False, default=None)  # type: ignore[assignment]
 
 
@@ -62,9 +71,16 @@ class Sampler:
         n: int = 1,
         seed: int | None = None,
         mm_inputs: Mapping[str, Any] | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        top_logprobs: int = 0,
+        on_token: TokenCallback | None = None,
     ) -> list[Generation]:
         """``n`` replies to one prompt (the engine's contract, for one prompt). ``mm_inputs``:
-        the processor's tensors of the media whose placeholders ``prompt`` holds."""
+        the processor's tensors of the media whose placeholders ``prompt`` holds;
+        ``on_token``: hears each token as it is sampled (see the module docstring)."""
+        bias = bias_pairs(logit_bias)
         # Validate here, so a bad request fails alone instead of failing the batch it joins.
         SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -73,10 +89,29 @@ class Sampler:
             top_k=top_k,
             stop_token_ids=tuple(stop_token_ids),
             n=n,
+            logit_bias=bias,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            top_logprobs=top_logprobs,
         )
-        key = (max_new_tokens, temperature, top_p, top_k, tuple(stop_token_ids), n)
+        key = (
+            max_new_tokens,
+            temperature,
+            top_p,
+            top_k,
+            tuple(stop_token_ids),
+            n,
+            bias,
+            presence_penalty,
+            frequency_penalty,
+            top_logprobs,
+        )
         request = _Request(
-            [int(t) for t in prompt], key, seed, dict(mm_inputs) if mm_inputs else None
+            [int(t) for t in prompt],
+            key,
+            seed,
+            dict(mm_inputs) if mm_inputs else None,
+            on_token,
         )
         request.done = asyncio.get_running_loop().create_future()
         self._queue.append(request)
@@ -112,14 +147,32 @@ class Sampler:
                 await self._run(batch)
 
     async def _run(self, batch: list[_Request]) -> None:
-        max_new, temperature, top_p, top_k, stops, n = batch[0].key
+        max_new, temperature, top_p, top_k, stops, n, bias, presence, frequency, top = batch[0].key
         seeded = any(r.seed is not None for r in batch)
-        # Only a batch with media passes any: text-only engines never see the argument.
-        media = (
-            {"mm_inputs": [r.media for r in batch]}
-            if any(r.media is not None for r in batch)
-            else {}
-        )
+        # Only what a batch uses is passed: an engine never sees an argument it need not know.
+        extra: dict[str, Any] = {}
+        if any(r.media is not None for r in batch):
+            extra["mm_inputs"] = [r.media for r in batch]
+        if bias:
+            extra["logit_bias"] = dict(bias)
+        if presence:
+            extra["presence_penalty"] = presence
+        if frequency:
+            extra["frequency_penalty"] = frequency
+        if top:
+            extra["top_logprobs"] = top
+        listeners = [r.on_token for r in batch]
+        streaming = any(listeners) and getattr(self.engine, "streams", False)
+        if streaming:
+
+            def on_token(events: list[TokenEvent]) -> None:
+                for event in events:
+                    i, k = divmod(event.sequence, n)
+                    request = batch[i]
+                    if request.on_token is not None and not request.done.done():
+                        request.on_token(replace(event, sequence=k))
+
+            extra["on_token"] = on_token
         self.stats["engine_calls"] += 1
         self.stats["largest_batch"] = max(self.stats["largest_batch"], len(batch))
         try:
@@ -135,7 +188,7 @@ class Sampler:
                 seed=[r.seed if r.seed is not None else _fresh_seed() for r in batch]
                 if seeded
                 else None,
-                **media,
+                **extra,
             )
         except asyncio.CancelledError:  # closing: nobody may wait forever
             for r in batch:
@@ -153,7 +206,10 @@ class Sampler:
                 _settle(r, exc=exc)
             return
         for i, r in enumerate(batch):
-            _settle(r, result=gens[i * n : (i + 1) * n])
+            mine = gens[i * n : (i + 1) * n]
+            if r.on_token is not None and not streaming and not r.done.done():
+                _replay(r.on_token, mine)
+            _settle(r, result=mine)
 
     async def aclose(self) -> None:
         """Stop serving; requests still waiting fail with ``EngineError``."""
@@ -175,6 +231,17 @@ def _settle(
         request.done.set_exception(exc)
     else:
         request.done.set_result(result or [])
+
+
+def _replay(on_token: TokenCallback, gens: list[Generation]) -> None:
+    """A finished reply told as the events a streaming engine would have sent."""
+    for k, gen in enumerate(gens):
+        versions = gen.token_versions or [gen.version] * len(gen.response_ids)
+        tops = gen.top_logprobs or [()] * len(gen.response_ids)
+        for token, logprob, version, top in zip(
+            gen.response_ids, gen.logprobs, versions, tops, strict=True
+        ):
+            on_token(TokenEvent(k, token, logprob, version, tuple(top)))
 
 
 def _fresh_seed() -> int:

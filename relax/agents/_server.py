@@ -11,9 +11,10 @@ Routes (each ``/v1/...`` route also answers under ``/sessions/{session_id}``):
 
 - ``GET /v1/models``, ``GET /v1/models/{model}``
 - ``POST /v1/chat/completions``: messages (text content), tools (function tools, Hermes-style
-  ``<tool_call>`` parsing), ``n``, ``stop``, ``seed``, ``logprobs``, streaming.
-- ``POST /v1/completions``: one prompt (text or token ids), ``n``, ``stop``, ``logprobs``,
-  streaming.
+  ``<tool_call>`` parsing), ``n``, ``stop``, ``seed``, ``logprobs``/``top_logprobs``, the
+  sampling fields below, streaming.
+- ``POST /v1/completions``: one prompt (text or token ids), ``n``, ``stop``, ``logprobs=N``,
+  the sampling fields below, streaming.
 - ``GET /relax/v1/version``: the weights version served now.
 - ``POST /relax/v1/sessions/{session_id}/finish``: ``{"reward": float, "choice": int, ...}``.
 
@@ -21,10 +22,17 @@ Beyond OpenAI's shapes, a response carries ``relax: {"version", "session"}``, th
 ``prompt_token_ids`` it was sampled from and, per choice, the kept ``token_ids`` and their
 ``token_versions`` (the ``openai`` client keeps them in ``model_extra``).
 
-Streaming is OpenAI's Server-Sent Events format, but the generation completes *before* the
-first event is sent: engines return whole responses, so a stream is the finished reply cut
-into one chunk per token (clients that need streaming work; time-to-first-token is the whole
-generation time).
+Streaming is OpenAI's Server-Sent Events format, sent as tokens are sampled (engines that
+stream, ``HFEngine``; vLLM's replies are streamed once complete): a piece of text goes out as
+soon as nothing later can take it back (see ``relax.agents._streaming``), and the pieces add up
+to the unstreamed reply, logprobs included. Concurrent streams still share engine batches.
+
+Sampling follows the request: ``temperature``, ``top_p``, ``top_k`` (an extension), ``seed``,
+``logit_bias``, ``presence_penalty``, ``frequency_penalty``; every logprob returned (and the
+one training uses) is of the *processed* distribution the token was drawn from — bias and
+penalties included — and ``top_logprobs`` (chat) / ``logprobs=N`` (completions) are that
+distribution's most likely tokens. Request fields the endpoint cannot honour are refused with a
+400 naming them (see ``relax.agents._protocol``), never ignored.
 
 Every error, including an unknown route, is an OpenAI error body ``{"error": {"message",
 "type", "param", "code"}}`` with its status: 400 for a malformed or unsupported request (and
@@ -38,12 +46,11 @@ import asyncio
 import contextlib
 import hmac
 import json
-import logging
 import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote
 
 from aiohttp import web
@@ -60,10 +67,13 @@ from relax.agents._protocol import (
 )
 from relax.agents._sampler import Sampler
 from relax.agents._sessions import Choice, SessionStore
+from relax.agents._streaming import ChoiceStream
 from relax.agents._trajectory import Trajectory
-from relax.engines import EngineError, Generation
+from relax.engines import EngineError, Generation, TokenEvent
+from relax.errors import BadRow
+from relax.log import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 SESSION_HEADER = "X-Relax-Session"
 """A request header that selects the session (the ``/sessions/{id}`` path prefix wins)."""
@@ -219,7 +229,9 @@ class AgentServer:
             self._stats["cancelled"] += 1
             raise
         except Exception as exc:
-            log.exception("agent endpoint: %s %s failed", request.method, request.path)
+            log.exception(
+                "agent endpoint: request failed", method=request.method, path=request.path
+            )
             error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
         self._errors[error.type] += 1
         return error.response()
@@ -266,6 +278,16 @@ class AgentServer:
         self._check_model(body.model)
         if body.n is not None and body.n > self.max_n:
             raise ApiError(400, f"invalid 'n': at most {self.max_n} choices per request", param="n")
+        if body.logit_bias:
+            vocab = len(self.tokenizer)
+            unknown = [t for t in body.logit_bias if not 0 <= t < vocab]
+            if unknown:
+                raise ApiError(
+                    400,
+                    f"invalid 'logit_bias': token ids {unknown[:5]} are outside the vocabulary"
+                    f" [0, {vocab})",
+                    param="logit_bias",
+                )
 
     @staticmethod
     def _session_of(request: web.Request) -> str | None:
@@ -309,25 +331,49 @@ class AgentServer:
         return requested
 
     async def _generate(
-        self, ids: list[int], body: SamplingFields, max_tokens: int, param: str
+        self, call: _Call, on_event: Callable[[TokenEvent], Awaitable[None]] | None = None
     ) -> list[Generation]:
-        try:
-            return await self.sampler.generate(
-                ids,
-                max_new_tokens=max_tokens,
+        """The call's generations; ``on_event`` hears each token as it is sampled (awaited in
+        order, so a slow client slows only its own stream)."""
+        body = call.body
+        queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
+        task = asyncio.ensure_future(
+            self.sampler.generate(
+                call.prompt,
+                max_new_tokens=call.max_tokens,
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=max(body.top_k or 0, 0),
                 stop_token_ids=self.stop_token_ids,
                 n=body.n or 1,
                 seed=body.seed,
+                logit_bias=body.logit_bias,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                top_logprobs=call.top,
+                on_token=queue.put_nowait if on_event is not None else None,
             )
-        except EngineError as exc:
-            raise ApiError(400, str(exc), param=param) from None
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.exception("agent endpoint: generation failed")
-            raise ApiError(500, f"generation failed: {type(exc).__name__}: {exc}") from None
+        )
+        # Every token is queued before the result is (see ``Sampler``): None ends the events.
+        task.add_done_callback(lambda _: queue.put_nowait(None))
+        try:
+            if on_event is not None:  # its own errors (a client gone) pass through as they are
+                while (event := await queue.get()) is not None:
+                    await on_event(event)
+            try:
+                return await task
+            except EngineError as exc:
+                raise ApiError(400, str(exc), param=call.param) from None
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.exception("agent endpoint: generation failed")
+                raise ApiError(500, f"generation failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            if not task.done():  # the client went away: its request leaves the sampler
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
 
     def _cut(self, gen: Generation, stops: list[str]) -> tuple[list[int], list[float], str, str]:
         """A generation cut at the first stop string: kept ids, logprobs, text, finish reason."""
@@ -343,22 +389,6 @@ class AgentServer:
 
     def _token_strings(self, ids: Sequence[int]) -> list[str]:
         return [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-
-    def _pieces(self, ids: list[int], text: str) -> list[tuple[str, int, int]]:
-        """``text`` cut at token boundaries: ``(piece, first token, end token)`` per chunk.
-
-        A token that does not end on a character boundary of ``text`` (half of a multi-byte
-        character, a special token) joins the next piece."""
-        out: list[tuple[str, int, int]] = []
-        done, start = 0, 0
-        for k in range(1, len(ids) + 1):
-            prefix = self._decode(ids[:k])
-            if len(prefix) > done and text.startswith(prefix):
-                out.append((text[done : len(prefix)], start, k))
-                done, start = len(prefix), k
-        if done < len(text) or start < len(ids):
-            out.append((text[done:], start, len(ids)))
-        return out
 
     def _extensions(
         self, session_id: str | None, gens: list[Generation], prompt: list[int]
@@ -409,21 +439,35 @@ class AgentServer:
         session_id = request.match_info["session_id"]
         body: FinishRequest = await self._body(request, FinishRequest)
         async with self._hold(session_id):
-            trajectory = self.sessions.finish(session_id, body.reward, choice=body.choice)
-        if trajectory is None:
-            raise ApiError(
-                404,
-                f"no session '{session_id}' with a recorded call (unknown, evicted or finished)",
-                param="session_id",
-                code="session_not_found",
-            )
+            trajectory = self.sessions.finished(session_id, body.reward, choice=body.choice)
+            if trajectory is None:
+                raise ApiError(
+                    404,
+                    f"no session '{session_id}' with a recorded call (unknown, evicted or"
+                    " finished)",
+                    param="session_id",
+                    code="session_not_found",
+                )
+            if self.on_finish is not None:
+                # The session stays open until its row is handed on: a refused finish (a bad
+                # group, a bus that is down) loses nothing and may be sent again.
+                try:
+                    await self.on_finish(session_id, trajectory, body.model_dump(exclude_none=True))
+                except BadRow as exc:
+                    raise ApiError(
+                        400,
+                        f"the session's row was refused: {exc}; the session is still open",
+                        param=exc.field if exc.field in FinishRequest.model_fields else None,
+                    ) from None
+                except Exception as exc:
+                    log.exception("agent endpoint: on_finish failed", session=session_id)
+                    raise ApiError(
+                        500,
+                        f"the finished session could not be handed on: {exc}; the session is"
+                        " still open",
+                    ) from None
+            self.sessions.close(session_id)
         self._stats["finished"] += 1
-        if self.on_finish is not None:
-            try:
-                await self.on_finish(session_id, trajectory, body.model_dump())
-            except Exception as exc:
-                log.exception("agent endpoint: on_finish failed for session %s", session_id)
-                raise ApiError(500, f"the finished session could not be handed on: {exc}") from None
         return web.json_response(
             {
                 "session": session_id,
@@ -436,13 +480,6 @@ class AgentServer:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body: ChatRequest = await self._body(request, ChatRequest)
         self._check_sampling(body)
-        if body.top_logprobs:
-            raise ApiError(
-                400,
-                "top_logprobs is not supported: only the sampled token's logprob is returned"
-                " (use logprobs: true with top_logprobs 0 or unset)",
-                param="top_logprobs",
-            )
         if body.tool_choice not in (None, "auto", "none"):
             raise ApiError(
                 400,
@@ -453,43 +490,32 @@ class AgentServer:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         use_tools = bool(tools) and body.tool_choice != "none"
+        top = (body.top_logprobs or 0) if body.logprobs else 0
+        call = _Call("chat", body, bool(body.logprobs), top, use_tools)
         async with self._hold(session_id):
             try:
                 prompt = self.sessions.chat_prompt(session_id, messages, tools)
             except ChatFormatError as exc:
                 raise ApiError(400, str(exc), param="messages") from None
-            max_tokens = self._budget(
+            call.prompt = prompt
+            call.max_tokens = self._budget(
                 len(prompt), body.max_completion_tokens or body.max_tokens, "messages"
             )
-            gens = await self._generate(prompt, body, max_tokens, "messages")
-            choices, extras = [], []
-            for gen in gens:
-                ids, logprobs, text, finish = self._cut(gen, body.stop)
-                content, calls = parse_tool_calls(text) if use_tools else (text, [])
-                message: dict[str, Any] = {"role": "assistant", "content": content}
-                if calls:
-                    message["content"] = content or None
-                    message["tool_calls"] = [c.openai() for c in calls]
-                    finish = "tool_calls"
-                choices.append(Choice(gen, ids, logprobs, message=message))
-                extras.append(finish)
+            call.param = "messages"
+            if body.stream:
+                return await self._stream(request, call, session_id)
+            gens = await self._generate(call)
+            choices, finishes = self._choices(call, gens)
             self.sessions.record(session_id, choices)
         usage = self._usage(prompt, choices)
-        head = self._head("chatcmpl")
-        ext = self._extensions(session_id, gens, prompt)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await self._stream_chat(
-                request, head, ext, choices, extras, usage, bool(body.logprobs), include_usage
-            )
         out = []
-        for i, (choice, finish) in enumerate(zip(choices, extras, strict=True)):
+        for i, (choice, finish) in enumerate(zip(choices, finishes, strict=True)):
             out.append(
                 {
                     "index": i,
                     "message": choice.message,
                     "finish_reason": finish,
-                    "logprobs": {"content": self._chat_logprobs(choice.ids, choice.logprobs)}
+                    "logprobs": {"content": self._chat_logprobs(choice, 0, len(choice.ids))}
                     if body.logprobs
                     else None,
                     "token_ids": choice.ids,
@@ -497,8 +523,74 @@ class AgentServer:
                 }
             )
         return web.json_response(
-            {**head, "object": "chat.completion", "choices": out, "usage": usage, **ext}
+            {
+                **self._head("chatcmpl"),
+                "object": "chat.completion",
+                "choices": out,
+                "usage": usage,
+                **self._extensions(session_id, gens, prompt),
+            }
         )
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body: CompletionRequest = await self._body(request, CompletionRequest)
+        self._check_sampling(body)
+        session_id = self._session_of(request)
+        top = body.logprobs or 0
+        call = _Call("completions", body, body.logprobs is not None, top, False)
+        async with self._hold(session_id):
+            prompt = self.sessions.completion_prompt(session_id, body.prompt)
+            call.prompt = prompt
+            call.max_tokens = self._budget(len(prompt), body.max_tokens, "prompt")
+            call.param = "prompt"
+            if body.stream:
+                return await self._stream(request, call, session_id)
+            gens = await self._generate(call)
+            choices, finishes = self._choices(call, gens)
+            self.sessions.record(session_id, choices)
+        usage = self._usage(prompt, choices)
+        out = []
+        for i, (choice, finish) in enumerate(zip(choices, finishes, strict=True)):
+            out.append(
+                {
+                    "index": i,
+                    "text": choice.text,
+                    "finish_reason": finish,
+                    "logprobs": self._completion_logprobs(choice, 0, len(choice.ids), top)
+                    if call.logprobs
+                    else None,
+                    "token_ids": choice.ids,
+                    **self._versions(choice.generation, len(choice.ids)),
+                }
+            )
+        return web.json_response(
+            {
+                **self._head("cmpl"),
+                "object": "text_completion",
+                "choices": out,
+                "usage": usage,
+                **self._extensions(session_id, gens, prompt),
+            }
+        )
+
+    def _choices(self, call: _Call, gens: list[Generation]) -> tuple[list[Choice], list[str]]:
+        """Each generation as the reply it is: cut at stop strings, tool calls parsed."""
+        choices, finishes = [], []
+        for gen in gens:
+            ids, logprobs, text, finish = self._cut(gen, call.body.stop)
+            tops = gen.top_logprobs[: len(ids)] if gen.top_logprobs is not None else None
+            if call.kind == "chat":
+                content, calls = parse_tool_calls(text) if call.tools else (text, [])
+                message: dict[str, Any] = {"role": "assistant", "content": content}
+                if calls:
+                    message["content"] = content or None
+                    message["tool_calls"] = [c.openai() for c in calls]
+                    finish = "tool_calls"
+                choices.append(Choice(gen, ids, logprobs, message=message, top_logprobs=tops))
+            else:
+                choices.append(Choice(gen, ids, logprobs, text=text, top_logprobs=tops))
+            finishes.append(finish)
+        return choices, finishes
 
     def _head(self, prefix: str) -> dict[str, Any]:
         """The fields every response object (and stream chunk) of one call starts with."""
@@ -508,69 +600,169 @@ class AgentServer:
             "model": self.model_name,
         }
 
-    def _chat_logprobs(self, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
-        return [
-            {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-            for s, lp in zip(self._token_strings(ids), logprobs, strict=True)
-        ]
+    def _logprob_entry(self, token: int, logprob: float) -> dict[str, Any]:
+        s = self._token_strings([token])[0]
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        body: CompletionRequest = await self._body(request, CompletionRequest)
-        self._check_sampling(body)
-        if body.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
-        session_id = self._session_of(request)
-        async with self._hold(session_id):
-            prompt = self.sessions.completion_prompt(session_id, body.prompt)
-            max_tokens = self._budget(len(prompt), body.max_tokens, "prompt")
-            gens = await self._generate(prompt, body, max_tokens, "prompt")
-            choices, extras = [], []
-            for gen in gens:
-                ids, logprobs, text, finish = self._cut(gen, body.stop)
-                choices.append(Choice(gen, ids, logprobs, text=text))
-                extras.append(finish)
-            self.sessions.record(session_id, choices)
-        usage = self._usage(prompt, choices)
-        head = self._head("cmpl")
-        ext = self._extensions(session_id, gens, prompt)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await self._stream_completions(
-                request, head, ext, choices, extras, usage, body.logprobs, include_usage
-            )
+    def _chat_logprobs(self, choice: Choice, start: int, end: int) -> list[dict[str, Any]]:
+        """OpenAI's ``logprobs.content`` of tokens ``start:end`` of a reply."""
+        tops = choice.top_logprobs
         out = []
-        for i, (choice, finish) in enumerate(zip(choices, extras, strict=True)):
-            out.append(
-                {
-                    "index": i,
-                    "text": choice.text,
-                    "finish_reason": finish,
-                    "logprobs": None
-                    if body.logprobs is None
-                    else self._completion_logprobs(choice.ids, choice.logprobs, body.logprobs),
-                    "token_ids": choice.ids,
-                    **self._versions(choice.generation, len(choice.ids)),
-                }
+        for t in range(start, end):
+            entry = self._logprob_entry(choice.ids[t], choice.logprobs[t])
+            entry["top_logprobs"] = (
+                [self._logprob_entry(i, v) for i, v in tops[t]] if tops is not None else []
             )
-        return web.json_response(
-            {**head, "object": "text_completion", "choices": out, "usage": usage, **ext}
-        )
+            out.append(entry)
+        return out
 
     def _completion_logprobs(
-        self, ids: list[int], logprobs: list[float], top: int, offset: int = 0
+        self, choice: Choice, start: int, end: int, top: int, offset: int = 0
     ) -> dict[str, Any]:
+        """OpenAI's completions ``logprobs`` of tokens ``start:end``: ``top_logprobs`` holds
+        the ``top`` most likely tokens and, as OpenAI's does, the sampled one."""
+        ids = choice.ids[start:end]
         tokens = self._token_strings(ids)
         offsets = [offset + len(self._decode(ids[:k])) for k in range(len(ids))]
+        tops = None
+        if top > 0 and choice.top_logprobs is not None:
+            tops = []
+            for t, (token, lp) in enumerate(zip(tokens, choice.logprobs[start:end], strict=True)):
+                entry: dict[str, float] = {}
+                for i, v in choice.top_logprobs[start + t]:
+                    entry.setdefault(self._token_strings([i])[0], v)
+                entry.setdefault(token, lp)
+                tops.append(entry)
         return {
             "tokens": tokens,
-            "token_logprobs": list(logprobs),
-            "top_logprobs": [{s: lp} for s, lp in zip(tokens, logprobs, strict=True)]
-            if top > 0
-            else None,
+            "token_logprobs": list(choice.logprobs[start:end]),
+            "top_logprobs": tops,
             "text_offset": offsets,
         }
 
     # ------------------------------------------------------------------ streaming
+
+    async def _stream(
+        self, request: web.Request, call: _Call, session_id: str | None
+    ) -> web.StreamResponse:
+        """Serve a streamed call (holding its session): chunks go out as tokens are sampled.
+
+        The response opens with the first token, so a request refused before any token is
+        sampled is still an ordinary error answer; a failure after that is an ``error`` event
+        (the ``openai`` client raises it) closing the stream.
+        """
+        n = call.body.n or 1
+        chat = call.kind == "chat"
+        streams = [ChoiceStream(self._decode, call.body.stop, call.tools) for _ in range(n)]
+        base = {
+            **self._head("chatcmpl" if chat else "cmpl"),
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "relax": {"version": self.sampler.version, "session": session_id},
+            "prompt_token_ids": call.prompt,
+        }
+        include_usage = bool(call.body.stream_options and call.body.stream_options.include_usage)
+        if include_usage:
+            base["usage"] = None
+        response: web.StreamResponse | None = None
+        offsets = [0] * n
+
+        def chunk(i: int, **fields: Any) -> dict[str, Any]:
+            choice = {"index": i, "finish_reason": None, "logprobs": None, **fields}
+            return {**base, "choices": [choice]}
+
+        async def opened() -> web.StreamResponse:
+            nonlocal response
+            if response is None:
+                response = await self._open_stream(request)
+                if chat:
+                    for i in range(n):
+                        delta = {"role": "assistant", "content": ""}
+                        await self._send(response, chunk(i, delta=delta))
+            return response
+
+        def piece_chunk(
+            i: int,
+            piece: str,
+            start: int,
+            end: int,
+            ids: list[int],
+            lps: list[float],
+            tops: list[list[tuple[int, float]]] | None,
+        ) -> dict[str, Any]:
+            partial = Choice(None, ids, lps, top_logprobs=tops)  # type: ignore[arg-type]
+            if chat:
+                scored = (
+                    {"content": self._chat_logprobs(partial, start, end)} if call.logprobs else None
+                )
+                return chunk(i, delta={"content": piece}, logprobs=scored)
+            scored = (
+                self._completion_logprobs(partial, start, end, call.top, offsets[i])
+                if call.logprobs
+                else None
+            )
+            offsets[i] += len(piece)
+            return chunk(i, text=piece, logprobs=scored)
+
+        async def on_event(event: TokenEvent) -> None:
+            out = await opened()
+            state = streams[event.sequence]
+            sent = state.add(event)
+            if sent is not None:
+                piece, start, end = sent
+                tops = cast(list[list[tuple[int, float]]], state.tops) if call.top else None
+                data = piece_chunk(
+                    event.sequence, piece, start, end, state.ids, state.logprobs, tops
+                )
+                await self._send(out, data)
+
+        try:
+            gens = await self._generate(call, on_event)
+        except ApiError as exc:
+            if response is None:
+                raise
+            with contextlib.suppress(ConnectionError):
+                await self._send(response, {"error": exc.body()})
+                await response.write_eof()
+            self._errors[exc.type] += 1
+            return response
+        except ConnectionError:  # the client went away mid-stream: nothing is recorded
+            self._stats["cancelled"] += 1
+            assert response is not None
+            return response
+        choices, finishes = self._choices(call, gens)
+        self.sessions.record(session_id, choices)
+        usage = self._usage(call.prompt, choices)
+        out = await opened()
+        with contextlib.suppress(ConnectionError):
+            for i, (choice, finish) in enumerate(zip(choices, finishes, strict=True)):
+                message = choice.message or {}
+                text = (message.get("content") or "") if chat else (choice.text or "")
+                rest, start, end = streams[i].finish(text, len(choice.ids))
+                if rest or (call.logprobs and end > start):
+                    data = piece_chunk(
+                        i, rest, start, end, choice.ids, choice.logprobs, choice.top_logprobs
+                    )
+                    await self._send(out, data)
+                calls = message.get("tool_calls")
+                if calls:
+                    deltas = [{"index": j, **c} for j, c in enumerate(calls)]
+                    await self._send(out, chunk(i, delta={"tool_calls": deltas}))
+                last = {"delta": {}} if chat else {"text": ""}
+                await self._send(
+                    out,
+                    chunk(
+                        i,
+                        **last,
+                        finish_reason=finish,
+                        token_ids=choice.ids,
+                        **self._versions(choice.generation, len(choice.ids)),
+                    ),
+                )
+            if include_usage:
+                await self._send(out, {**base, "choices": [], "usage": usage})
+            await self._send(out, "[DONE]")
+            await out.write_eof()
+        return out
 
     async def _open_stream(self, request: web.Request) -> web.StreamResponse:
         self._stats["streams"] += 1
@@ -589,108 +781,19 @@ class AgentServer:
         text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
         await response.write(f"data: {text}\n\n".encode())
 
-    async def _stream_chat(
+
+class _Call:
+    """One generation call as the routes and the stream see it."""
+
+    def __init__(
         self,
-        request: web.Request,
-        head: dict[str, Any],
-        ext: dict[str, Any],
-        choices: list[Choice],
-        finishes: list[str],
-        usage: dict[str, int],
+        kind: str,
+        body: ChatRequest | CompletionRequest,
         logprobs: bool,
-        include_usage: bool,
-    ) -> web.StreamResponse:
-        response = await self._open_stream(request)
-        base = {**head, "object": "chat.completion.chunk", **ext}
-        if include_usage:
-            base["usage"] = None
-
-        def chunk(i: int, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
-            choice = {"index": i, "delta": delta, "finish_reason": None, "logprobs": None}
-            return {**base, "choices": [{**choice, **extra}]}
-
-        with contextlib.suppress(ConnectionError):
-            for i, (choice, finish) in enumerate(zip(choices, finishes, strict=True)):
-                message = choice.message or {}
-                await self._send(response, chunk(i, {"role": "assistant", "content": ""}))
-                calls = message.get("tool_calls")
-                if calls:
-                    pieces = [(message.get("content") or "", 0, len(choice.ids))]
-                else:
-                    pieces = self._pieces(choice.ids, message.get("content") or "")
-                for piece, start, end in pieces:
-                    lps = None
-                    if logprobs:
-                        lps = {
-                            "content": self._chat_logprobs(
-                                choice.ids[start:end], choice.logprobs[start:end]
-                            )
-                        }
-                    if piece or lps:
-                        await self._send(response, chunk(i, {"content": piece}, logprobs=lps))
-                if calls:
-                    deltas = [{"index": j, **call} for j, call in enumerate(calls)]
-                    await self._send(response, chunk(i, {"tool_calls": deltas}))
-                await self._send(
-                    response,
-                    chunk(
-                        i,
-                        {},
-                        finish_reason=finish,
-                        token_ids=choice.ids,
-                        **self._versions(choice.generation, len(choice.ids)),
-                    ),
-                )
-            if include_usage:
-                await self._send(response, {**base, "choices": [], "usage": usage})
-            await self._send(response, "[DONE]")
-            await response.write_eof()
-        return response
-
-    async def _stream_completions(
-        self,
-        request: web.Request,
-        head: dict[str, Any],
-        ext: dict[str, Any],
-        choices: list[Choice],
-        finishes: list[str],
-        usage: dict[str, int],
-        logprobs: int | None,
-        include_usage: bool,
-    ) -> web.StreamResponse:
-        response = await self._open_stream(request)
-        base = {**head, "object": "text_completion", **ext}
-        if include_usage:
-            base["usage"] = None
-
-        def chunk(i: int, text: str, **extra: Any) -> dict[str, Any]:
-            choice = {"index": i, "text": text, "finish_reason": None, "logprobs": None}
-            return {**base, "choices": [{**choice, **extra}]}
-
-        with contextlib.suppress(ConnectionError):
-            for i, (choice, finish) in enumerate(zip(choices, finishes, strict=True)):
-                text = choice.text or ""
-                offset = 0
-                for piece, start, end in self._pieces(choice.ids, text):
-                    lps = None
-                    if logprobs is not None:
-                        lps = self._completion_logprobs(
-                            choice.ids[start:end], choice.logprobs[start:end], logprobs, offset
-                        )
-                    offset += len(piece)
-                    await self._send(response, chunk(i, piece, logprobs=lps))
-                await self._send(
-                    response,
-                    chunk(
-                        i,
-                        "",
-                        finish_reason=finish,
-                        token_ids=choice.ids,
-                        **self._versions(choice.generation, len(choice.ids)),
-                    ),
-                )
-            if include_usage:
-                await self._send(response, {**base, "choices": [], "usage": usage})
-            await self._send(response, "[DONE]")
-            await response.write_eof()
-        return response
+        top: int,
+        tools: bool,
+    ) -> None:
+        self.kind, self.body, self.logprobs, self.top, self.tools = kind, body, logprobs, top, tools
+        self.prompt: list[int] = []
+        self.max_tokens = 1
+        self.param = "messages"

@@ -14,6 +14,7 @@ reward judges); earlier segments are counted in ``statistics()["segments_dropped
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections import OrderedDict
@@ -38,6 +39,8 @@ class Choice:
     """For chat calls: the assistant message returned (content and tool calls)."""
     text: str | None = None
     """For completion calls: the text returned."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per kept token, the most likely ``(id, logprob)`` of its distribution (when asked)."""
 
 
 @dataclass
@@ -222,16 +225,28 @@ class SessionStore:
     def finish(self, session_id: str, reward: float, *, choice: int = 0) -> Trajectory | None:
         """End a session: its trajectory (last segment) with ``reward``; the last call's reply
         ``choice`` is its final turn. ``None`` for an unknown session or one without calls."""
-        session = self._sessions.pop(session_id, None)
+        traj = self.finished(session_id, reward, choice=choice)
+        if traj is not None:
+            self.close(session_id)
+        return traj
+
+    def finished(self, session_id: str, reward: float, *, choice: int = 0) -> Trajectory | None:
+        """The trajectory ``finish`` would end the session with, leaving the session open (a
+        copy: ``close`` it once the trajectory is safely handed on, or finish again)."""
+        session = self._sessions.get(session_id)
         if session is None or session.trajectory is None:
             return None
-        traj = session.trajectory
+        traj = copy.deepcopy(session.trajectory)
         if session.choices:
             _add_choice(traj, session.choices[min(choice, len(session.choices) - 1)])
         traj.reward = float(reward)
         traj.finish("done")
-        self.stats["finished"] += 1
         return traj
+
+    def close(self, session_id: str) -> None:
+        """Forget a session whose trajectory was handed on."""
+        if self._sessions.pop(session_id, None) is not None:
+            self.stats["finished"] += 1
 
     def discard(self, session_id: str) -> None:
         """Forget a session without a trajectory (its episode was abandoned)."""

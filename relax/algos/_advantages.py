@@ -25,21 +25,46 @@ def _group_reduce(values: torch.Tensor, index: torch.Tensor, n_groups: int) -> t
     return sums.index_add(0, index, values)[index]
 
 
+def _constant_groups(r: torch.Tensor, index: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """``[batch]`` bool: the sample's group has all rewards *exactly* equal (max == min).
+
+    Sums round: the float32 mean of eight 0.1s is off by ~7e-9, so ``r - mean`` and the std are
+    tiny but non-zero, and dividing by ``std + eps`` blows that noise up to a real-looking
+    advantage (-0.0074 per sample). Exact equality of the inputs is what "no signal" means,
+    so those groups are zeroed outright instead of trusting the arithmetic.
+    """
+    gmax = torch.full((n_groups,), -torch.inf, dtype=r.dtype, device=r.device)
+    gmin = torch.full((n_groups,), torch.inf, dtype=r.dtype, device=r.device)
+    gmax = gmax.scatter_reduce(0, index, r, reduce="amax")
+    gmin = gmin.scatter_reduce(0, index, r, reduce="amin")
+    return (gmax == gmin)[index]
+
+
+def _out_dtype(rewards: torch.Tensor) -> torch.dtype:
+    """Advantages come out at least float32 (bfloat16 rewards are promoted)."""
+    return torch.promote_types(rewards.dtype, torch.float32)
+
+
 def group_stats(
     rewards: torch.Tensor, group_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each sample's group ``(mean, unbiased std, size)``, all ``[batch]``.
 
-    A group of one has std 0 (not NaN). The std is computed from deviations about the mean,
-    not from sums of squares, so a constant group is exactly 0 in floating point.
+    A group of one has std 0 (not NaN). Sums are taken in float64 (and returned in the
+    rewards' float dtype, at least float32), and a group whose rewards are all exactly equal
+    gets that very value as its mean and std exactly 0, whatever the rounding would say.
     """
-    rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    out = _out_dtype(rewards)
+    r = rewards.to(torch.float64)
     index, n_groups = _group_index(group_ids)
-    size = _group_reduce(torch.ones_like(rewards), index, n_groups)
-    mean = _group_reduce(rewards, index, n_groups) / size
-    sq_dev = _group_reduce((rewards - mean) ** 2, index, n_groups)
+    size = _group_reduce(torch.ones_like(r), index, n_groups)
+    mean = _group_reduce(r, index, n_groups) / size
+    sq_dev = _group_reduce((r - mean) ** 2, index, n_groups)
     std = (sq_dev / (size - 1).clamp(min=1)).sqrt()
-    return mean, std, size
+    constant = _constant_groups(r, index, n_groups)
+    mean = torch.where(constant, r, mean)
+    std = torch.where(constant, torch.zeros_like(std), std)
+    return mean.to(out), std.to(out), size.to(out)
 
 
 def grpo_advantages(
@@ -49,11 +74,14 @@ def grpo_advantages(
 
     Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, §4.1.2. The std is the unbiased sample
     std (as in TRL and verl). A group whose rewards are all equal (or a group of one) gets
-    advantage exactly 0, never NaN.
+    advantage exactly 0, never NaN and never rounding noise, for any reward value and dtype.
     """
-    mean, std, _ = group_stats(rewards, group_ids)
+    out = _out_dtype(rewards)
+    r = rewards.to(torch.float64)
+    mean, std, _ = group_stats(r, group_ids)
     # Zero-spread groups are set to 0 explicitly so that eps=0 cannot give 0/0 = NaN.
-    return torch.where(std > 0, (rewards - mean) / (std + eps), torch.zeros_like(mean))
+    adv = torch.where(std > 0, (r - mean) / (std + eps), torch.zeros_like(mean))
+    return adv.to(out)
 
 
 def dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -62,9 +90,11 @@ def dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.
     Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective",
     arXiv:2503.20783. Dividing by the std up-weights too-easy and too-hard prompts; the paper's
     other fix (no length normalisation) lives in the loss: use ``agg="seq-mean-token-sum"``.
+    A group whose rewards are all equal gets exactly 0.
     """
-    mean, _, _ = group_stats(rewards, group_ids)
-    return rewards - mean
+    r = rewards.to(torch.float64)
+    mean, _, _ = group_stats(r, group_ids)  # exactly r on a constant group
+    return (r - mean).to(_out_dtype(rewards))
 
 
 def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -73,14 +103,16 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
     Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
     from Human Feedback in LLMs", arXiv:2402.14740. The leave-one-out baseline is unbiased
     because it does not depend on the sample's own reward. A group of one has no other sample to
-    compare with and gets advantage 0.
+    compare with and gets advantage 0; so does a group whose rewards are all equal (exactly).
     """
-    rewards_f = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    r = rewards.to(torch.float64)
     index, n_groups = _group_index(group_ids)
-    size = _group_reduce(torch.ones_like(rewards_f), index, n_groups)
-    total = _group_reduce(rewards_f, index, n_groups)
-    baseline = (total - rewards_f) / (size - 1).clamp(min=1)
-    return torch.where(size > 1, rewards_f - baseline, torch.zeros_like(rewards_f))
+    size = _group_reduce(torch.ones_like(r), index, n_groups)
+    total = _group_reduce(r, index, n_groups)
+    baseline = (total - r) / (size - 1).clamp(min=1)
+    no_signal = (size <= 1) | _constant_groups(r, index, n_groups)
+    adv = torch.where(no_signal, torch.zeros_like(r), r - baseline)
+    return adv.to(_out_dtype(rewards))
 
 
 def sequence_to_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -132,7 +164,7 @@ def reinforce_pp_advantages(
     std. With ``group_ids`` this is the "REINFORCE++-baseline" variant: each reward first has its
     group mean subtracted, which removes the prompt's difficulty before global normalisation.
     """
-    rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    rewards = rewards.to(_out_dtype(rewards))
     if group_ids is not None:
         rewards = dr_grpo_advantages(rewards, group_ids)
     token_rewards = sequence_to_token_rewards(rewards, mask)
@@ -189,7 +221,7 @@ def dynamic_sampling_mask(
     refilled. A group is kept when ``max - min > atol``.
     """
     index, n_groups = _group_index(group_ids)
-    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    r = rewards.to(_out_dtype(rewards))
     gmax = torch.full((n_groups,), -torch.inf, dtype=r.dtype, device=r.device)
     gmin = torch.full((n_groups,), torch.inf, dtype=r.dtype, device=r.device)
     gmax = gmax.scatter_reduce(0, index, r, reduce="amax")

@@ -46,12 +46,19 @@ def masked_whiten(
 
     Statistics are global over the whole batch (as in PPO/REINFORCE++ advantage whitening).
     With ``shift_mean=False`` the mean is added back, rescaling only. Masked positions are 0.
+    When every counted value is exactly equal there is nothing to normalise: the result is
+    exactly 0 (or that value, with ``shift_mean=False``) — the rounded mean would otherwise
+    leave noise that ``rsqrt(var + eps)`` scales up by ``1/sqrt(eps)``.
     """
     mean = masked_mean(x, mask)
     var = masked_var(x, mask)
-    whitened = (x - mean) * torch.rsqrt(var + eps)
+    counted = mask > 0
+    top = torch.where(counted, x, torch.full_like(x, -torch.inf)).amax()
+    bottom = torch.where(counted, x, torch.full_like(x, torch.inf)).amin()
+    constant = top == bottom  # a tensor, not a bool: no device sync
+    whitened = torch.where(constant, torch.zeros_like(x), (x - mean) * torch.rsqrt(var + eps))
     if not shift_mean:
-        whitened = whitened + mean
+        whitened = whitened + torch.where(constant, top, mean)
     return whitened * mask
 
 

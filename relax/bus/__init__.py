@@ -7,23 +7,33 @@ admission and a versioned weights channel.
   ``add_columns``, ``take`` (a lease; ack on success), ``publish_weights``, ``poll_weights``.
 - ``BusTable``: the pure state machine underneath (rows, leases, acks, admission).
 - ``SegmentLog``: the crash-safe append-only log.
+- ``SCHEMA``: the declared types of the columns roles exchange (``Column``); rows that break
+  them are refused at the put (``BadRow``, ``BadColumn``); ``column_problem`` says what is
+  wrong with a row's columns.
 """
 
 from relax.bus._client import Batch, BusClient
+from relax.bus._columns import SCHEMA, Column, column_problem
 from relax.bus._log import LogCorrupt, SegmentLog
 from relax.bus._service import BusService
 from relax.bus._table import BusTable, ColumnConflict, UnknownTask
 from relax.bus._weights import VersionGone, WeightStore
+from relax.errors import BadColumn, BadRow
 
 __all__ = [
+    "SCHEMA",
+    "BadColumn",
+    "BadRow",
     "Batch",
     "BusClient",
     "BusService",
     "BusTable",
+    "Column",
     "ColumnConflict",
     "LogCorrupt",
     "SegmentLog",
     "UnknownTask",
     "VersionGone",
     "WeightStore",
+    "column_problem",
 ]

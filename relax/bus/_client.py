@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import contextlib
 import math
+import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from relax.bus._weights import VersionGone
-from relax.errors import BusError
+from relax.errors import BusError, UploadLost, error_from_dict
 from relax.transport import Limits, connect
 
 # The server may hold a request for `wait` seconds; the transport gets this much more on top.
 _MARGIN = 30.0
+# Uploads of one weight version lost to bus restarts before ``publish_weights`` gives up.
+_PUBLISH_ATTEMPTS = 20
 
 
 @dataclass
@@ -118,12 +121,17 @@ class BusClient:
         """Write columns of an existing row (each column once)."""
         await self._call({"op": "columns", "uid": uid, "columns": columns})
 
-    async def add_columns_many(self, items: list[tuple[str, dict[str, Any]]]) -> list[str | None]:
+    async def add_columns_many(
+        self, items: list[tuple[str, dict[str, Any]]]
+    ) -> list[BaseException | None]:
         """``add_columns`` for many rows in one request (a role scoring a batch pays one round
-        trip, not one per row). Returns, per item, None or why that row's write was refused."""
+        trip, not one per row). Returns, per item, None or the exception that refused that
+        row's write (``ColumnConflict``, a ``BusError`` for a row gone from the bus), rebuilt
+        as its own type: the other rows' writes are kept."""
         if not items:
             return []
-        return await self._call({"op": "columns_many", "items": [[u, c] for u, c in items]})
+        reply = await self._call({"op": "columns_many", "items": [[u, c] for u, c in items]})
+        return [None if e is None else error_from_dict(e) for e in reply]
 
     # ------------------------------------------------------------------ consumers
 
@@ -183,7 +191,12 @@ class BusClient:
             await self.ack(batch)
 
     async def ack(self, batch: Batch) -> int:
-        """Ack the batch's rows (dropping those marked with ``drop``); returns rows newly acked."""
+        """Ack the batch's rows (dropping those marked with ``drop``); returns rows newly acked.
+
+        Rows whose lease ran out and were handed to another holder are not acked by this call
+        (fewer than ``len(batch)`` come back; the bus counts them as ``ignored_acks``): the new
+        holder's ack counts, so each row is still finished once. This is not an error.
+        """
         keep = [i for i in batch.items if i[0] not in batch.dropped]
         for reason in set(batch.dropped.values()):
             items = [i for i in batch.items if batch.dropped.get(i[0]) == reason]
@@ -241,21 +254,43 @@ class BusClient:
                 ]
                 for b in buckets
             ]
-        await self._call({"op": "w_begin", "version": version, "meta": meta})
-        if group is None:
-            for index, bucket in enumerate(buckets):
-                await self._call(
-                    {"op": "w_put", "version": version, "index": index, "tensors": bucket}
-                )
+        # One id for this publish, however often it is retried: a bus that logged its commit
+        # and died before answering tells the retry "already committed" instead of failing.
+        publish = uuid.uuid4().hex
         commit: dict[str, Any] = {
             "op": "w_commit",
             "version": version,
+            "publish": publish,
             "set_trainer_version": set_trainer_version,
         }
         if ack is not None and ack.rows:
             commit["ack"] = {"task": ack.task, "items": ack.items}
+        for _ in range(_PUBLISH_ATTEMPTS):
+            try:
+                began = await self._call(
+                    {"op": "w_begin", "version": version, "meta": meta, "publish": publish}
+                )
+                if not (isinstance(began, dict) and began.get("already")):
+                    if group is None:
+                        for index, bucket in enumerate(buckets):
+                            await self._call(
+                                {
+                                    "op": "w_put",
+                                    "version": version,
+                                    "index": index,
+                                    "tensors": bucket,
+                                }
+                            )
+                    await self._call(commit)
+                break
+            except UploadLost:
+                # The bus restarted (or another upload replaced ours) before the commit was
+                # logged: nothing of this version is visible; upload it again.
+                continue
+        else:
+            raise BusError(f"weight version {version}: upload lost {_PUBLISH_ATTEMPTS} times")
+        if ack is not None and ack.rows:
             ack.acked = True
-        await self._call(commit)
         if group is not None:
             for bucket in buckets:
                 await group.broadcast_bucket(list(bucket.values()), src=group.rank)

@@ -58,7 +58,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from relax.errors import BusError
+from relax.errors import BusError, LogCorrupt  # LogCorrupt: re-exported here
 from relax.log import get_logger
 
 log = get_logger("relax.bus.log")
@@ -78,19 +78,6 @@ _MAX_SPARES = 2
 _COALESCE_BELOW = 64 << 10
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _sync_data = getattr(os, "fdatasync", os.fsync)  # data + file size, without the mtime update
-
-
-class LogCorrupt(BusError):
-    """The log holds damaged data that is not a torn tail; replaying past it would lose data.
-
-    ``path`` and ``offset`` locate the first bad byte. Restore the directory from a copy, or
-    move the named segment (and all later ones) away if losing their records is acceptable.
-    """
-
-    def __init__(self, message: str, *, path: str | os.PathLike[str], offset: int) -> None:
-        self.path = str(path)
-        self.offset = offset
-        super().__init__(f"{self.path} at offset {offset}: {message}")
 
 
 def _crc(length: int, seq: int, payload: Any) -> int:

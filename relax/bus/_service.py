@@ -15,15 +15,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import math
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 from relax.actors import Actor
+from relax.bus._columns import check_rows
 from relax.bus._log import SegmentLog
 from relax.bus._table import BusTable, Op
 from relax.bus._weights import WeightStore
-from relax.errors import BusError
+from relax.errors import BadRow, BusError, error_to_dict
 from relax.transport import Limits, Peer, dumps, loads, serve
 from relax.transport._wire import dumps_parts
 
@@ -101,7 +104,10 @@ class BusService(Actor):
                 self.stats["recovered_records"] += 1
             self.next_seq = self.log_file.statistics()["next_seq"]
             self.table.extend_leases(time.time(), self.lease_timeout)
-            self.weights.recover()
+            # Only weights the log committed are served; see WeightStore.recover. (A log with
+            # no commit record may be from before they existed: its final files stand.)
+            known = self.table.weights_version
+            self.weights.recover(known, trust_final=known < 0)
             if self.stats["recovered_records"]:
                 self.log.info(
                     "bus recovered",
@@ -171,11 +177,11 @@ class BusService(Actor):
         return await handler(request, peer)
 
     async def _op_put(self, req: dict[str, Any], peer: Peer) -> int:
-        rows = req["rows"]
-        for row in rows:
-            if not isinstance(row, dict) or not {"uid", "group", "version"} <= row.keys():
-                raise BusError("every row needs 'uid', 'group' and 'version'")
-        ops = await self._wait_for(lambda: self.table.put(rows), req.get("wait"))
+        rows = req.get("rows")
+        # The whole put is checked once, before any of it is applied or waits for room: a
+        # refused put leaves nothing in the table, so the table and the log always agree.
+        check_rows(rows)
+        ops = await self._wait_for(lambda: self.table.put(rows, checked=True), req.get("wait"))
         if ops is None:
             raise BusError("the bus stayed full for the whole wait")  # the client retries
         await self._commit(ops)
@@ -184,17 +190,27 @@ class BusService(Actor):
     async def _op_columns(self, req: dict[str, Any], peer: Peer) -> None:
         await self._commit(self.table.add_columns(req["uid"], req["columns"]))
 
-    async def _op_columns_many(self, req: dict[str, Any], peer: Peer) -> list[str | None]:
+    async def _op_columns_many(
+        self, req: dict[str, Any], peer: Peer
+    ) -> list[dict[str, Any] | None]:
         """Many rows' columns in one request and one log record; per row, None or the error
-        (a missing row, a conflicting write) — the rows that worked are kept either way."""
+        (a missing row, a conflicting write) as ``error_to_dict`` data, which the client
+        rebuilds — the rows that worked are kept either way."""
+        items = req.get("items")
+        if not isinstance(items, list):
+            raise BusError(
+                f"columns_many carries a list of [uid, columns] items, got {items!r:.60}"
+            )
         ops: list[Op] = []
-        errors: list[str | None] = []
-        for uid, columns in req["items"]:
+        errors: list[dict[str, Any] | None] = []
+        for index, item in enumerate(items):
             try:
-                ops += self.table.add_columns(uid, columns)
+                if not (isinstance(item, list) and len(item) == 2):
+                    raise BadRow(f"#{index}", "item", "is not a [uid, columns] pair")
+                ops += self.table.add_columns(item[0], item[1])
                 errors.append(None)
             except BusError as exc:
-                errors.append(f"{type(exc).__name__}: {exc}")
+                errors.append(error_to_dict(exc, with_traceback=False))
         await self._commit(ops)
         return errors
 
@@ -292,25 +308,65 @@ class BusService(Actor):
 
     # weights: begin/bucket/commit by the trainer; poll/bucket by subscribers
 
-    async def _op_w_begin(self, req: dict[str, Any], peer: Peer) -> None:
-        self.weights.begin(int(req["version"]), req["meta"])
+    async def _op_w_begin(self, req: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        version = int(req["version"])
+        if self._already_committed(version, req.get("publish")):
+            return {"already": True}  # a publish retried after its commit was logged
+        _kill_point(self.run_dir, "before_upload", version)
+        if version <= self.table.weights_version:
+            raise BusError(
+                f"weight version {version} is not newer than the current "
+                f"{self.table.weights_version}"
+            )
+        self.weights.begin(version, req["meta"])
+        return {"already": False}
 
     async def _op_w_put(self, req: dict[str, Any], peer: Peer) -> None:
-        self.weights.put_bucket(int(req["version"]), int(req["index"]), req["tensors"])
+        version, pending = int(req["version"]), self.weights.open.get(int(req["version"]))
+        if pending is not None and int(req["index"]) == min(1, len(pending["buckets"]) - 1):
+            _kill_point(self.run_dir, "mid_upload", version)  # begun, not every bucket in
+        self.weights.put_bucket(version, int(req["index"]), req["tensors"])
 
-    async def _op_w_commit(self, req: dict[str, Any], peer: Peer) -> None:
+    async def _op_w_commit(self, req: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """Commit weights ``version``: stage its file, log ONE record (the version, its publish
+        id, the ack of the rows it was trained on, the new trainer version), then make it
+        visible. A kill before the record leaves nothing the restarted bus serves (and the
+        trainer's retry gets ``UploadLost``: it uploads again); a kill after it is completed by
+        recovery (and the retry hears "already committed")."""
         version = int(req["version"])
-        # Writing the version to disk happens on a thread; it is visible once it is written.
-        await asyncio.to_thread(self.weights.commit, version)
-        ops = []
-        if req.get("ack"):  # the rows these weights were trained on, acked atomically with them
-            ops += self.table.ack(req["ack"]["task"], [tuple(i) for i in req["ack"]["items"]])[0]
-        if req.get("set_trainer_version", True):
-            ops += self.table.set_version(version)
-        if ops:
-            await self._commit(ops)
+        publish = str(req.get("publish") or f"anonymous-{version}")
+        if self._already_committed(version, req.get("publish")):
+            return {"already": True}
+        entry = self.weights.seal(version)
+        try:
+            # Writing the file happens on a thread; nothing serves it until it is promoted.
+            await asyncio.to_thread(self.weights.stage, version, entry)
+            _kill_point(self.run_dir, "after_weights_file", version)
+            ack = req.get("ack") or {}
+            ops = self.table.commit_weights(
+                version,
+                publish,
+                task=ack.get("task"),
+                items=[tuple(i) for i in ack.get("items", ())],
+                set_trainer_version=bool(req.get("set_trainer_version", True)),
+            )
+            await self._log(ops)
+        except Exception:
+            # Not logged: its file must never be served. (Cancelled instead, the record may
+            # still land from the writer thread: the staged file stays, recovery decides.)
+            self.weights.discard(version)
+            raise
+        _kill_point(self.run_dir, "after_commit_record", version)
+        self.weights.promote(version, entry)
         async with self.changed:
             self.changed.notify_all()
+        return {"already": False}
+
+    def _already_committed(self, version: int, publish: Any) -> bool:
+        """``publish`` (the upload's id) committed ``version`` already: a retry after the bus
+        logged it (the reply was lost with the bus). Another upload of a committed version is
+        an error (``not newer``), not a duplicate."""
+        return publish is not None and self.table.publishes.get(version) == publish
 
     async def _op_w_poll(self, req: dict[str, Any], peer: Peer) -> dict[str, Any] | None:
         after = int(req.get("after", -1))
@@ -402,3 +458,25 @@ class BusService(Actor):
                 self.log.debug(
                     "bus log compacted", segments_deleted=deleted, watermark=release_before
                 )
+
+
+KILL_AT_ENV = "RELAX_BUS_KILL_AT"
+"""Test hook: a bus whose process has this set to a point of the weights commit protocol
+(``before_upload``, ``mid_upload``, ``after_weights_file``, ``after_commit_record``), optionally
+``@<version>`` (e.g. ``after_weights_file@3``: only in that version's commit), SIGKILLs itself
+there, once per run folder (a marker file records it), so fault tests hit that exact point
+instead of racing for it."""
+
+
+def _kill_point(run_dir: str | None, point: str, version: int) -> None:
+    wanted = os.environ.get(KILL_AT_ENV)
+    if not wanted or run_dir is None:
+        return
+    name, _, at = wanted.partition("@")
+    if name != point or (at and int(at) != version):
+        return
+    marker = Path(run_dir, f"killed-at-{point}")
+    if marker.exists():
+        return
+    marker.touch()
+    os.kill(os.getpid(), signal.SIGKILL)

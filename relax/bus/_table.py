@@ -29,19 +29,12 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from relax.errors import BusError
+from relax.bus._columns import check_columns, check_rows
+from relax.errors import BadRow, BusError, ColumnConflict, UnknownTask  # re-exported here
 from relax.transport import RawTensor
 
 Op = dict[str, Any]
 Item = tuple[str, int]  # (uid, attempt): what a lease hands out and an ack must quote back
-
-
-class UnknownTask(BusError):
-    """The task is not one of the bus's consumer tasks; declare it in the bus config."""
-
-
-class ColumnConflict(BusError):
-    """A column was written twice with different values; columns are write-once."""
 
 
 @dataclass(eq=False)
@@ -95,6 +88,54 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+def _fill(
+    units: list[list[Row]], batch_size: int, min_rows: int, token_budget: int | None
+) -> list[Row]:
+    """The rows of the oldest units (in ``units``' order) that fit ``batch_size`` rows and
+    ``token_budget`` tokens, skipping a unit that does not fit to look at the ones behind it.
+
+    Greedy first. When that falls short of ``min_rows`` (whole groups of mixed sizes: a group
+    of 1 ahead of groups of 2 leaves a batch of 4 one row short forever), the earliest
+    selection whose size lands in ``[min_rows, batch_size]``: a unit is taken when the units
+    behind it can still complete the batch, found with reachable-sum bitsets (Python ints, one
+    bit per row count), so the cost is one shift per unit.
+    """
+    chosen: list[Row] = []
+    tokens = 0
+    for unit in units:
+        if len(chosen) + len(unit) > batch_size:
+            continue
+        unit_tokens = sum(r.tokens for r in unit)
+        if token_budget is not None and tokens + unit_tokens > token_budget:
+            continue
+        chosen.extend(unit)
+        tokens += unit_tokens
+        if len(chosen) == batch_size:
+            return chosen
+    if len(chosen) >= min_rows or sum(len(unit) for unit in units) < min_rows:
+        return chosen  # enough, or not enough rows at all: no search can help
+    mask = (1 << (batch_size + 1)) - 1
+    reach = [1] * (len(units) + 1)  # reach[i]: bit s set if units[i:] can add exactly s rows
+    for i in range(len(units) - 1, -1, -1):
+        reach[i] = (reach[i + 1] | (reach[i + 1] << len(units[i]))) & mask
+    wanted = mask & ~((1 << min_rows) - 1)  # row counts in [min_rows, batch_size]
+    if not reach[0] & wanted:
+        return chosen  # no selection reaches min_rows: the caller waits
+    picked: list[Row] = []
+    tokens = 0
+    for i, unit in enumerate(units):
+        n = len(picked) + len(unit)
+        unit_tokens = sum(r.tokens for r in unit)
+        if token_budget is not None and tokens + unit_tokens > token_budget:
+            continue
+        if n <= batch_size and (reach[i + 1] << n) & wanted:
+            picked.extend(unit)
+            tokens += unit_tokens
+            if len(picked) == batch_size:
+                break
+    return picked
+
+
 def _plain(value: Any) -> Any:
     """A value the table can compare or read (the bus keeps tensors in wire form)."""
     return value.to_torch().tolist() if isinstance(value, RawTensor) else value
@@ -128,6 +169,8 @@ class BusTable:
         self.finished: OrderedDict[str, None] = OrderedDict()  # recently finished uids
         self.dropped_groups: OrderedDict[str, None] = OrderedDict()
         self.version = 0  # the trainer's policy version N
+        self.weights_version = -1  # the newest weights version the log committed
+        self.publishes: dict[int, str] = {}  # recent weights version -> its publish id
         self.next_lease = 1
         self.counters: Counter[str] = Counter()
 
@@ -150,15 +193,22 @@ class BusTable:
 
     # ------------------------------------------------------------------ decisions
 
-    def put(self, rows: list[dict[str, Any]]) -> list[Op] | None:
+    def put(self, rows: list[dict[str, Any]], *, checked: bool = False) -> list[Op] | None:
         """Ops that add ``rows`` (all or nothing); ``None`` when the bus is full (wait).
 
-        Rows already present or already finished are skipped: a retried put is harmless.
+        The whole put is checked before any of it is applied (``BadRow``/``BadColumn`` name
+        the first bad row and field; see ``relax.bus._columns``), so a refused put leaves
+        nothing behind. Rows already present or already finished are skipped: a retried put
+        is harmless. ``checked``: the caller ran ``check_rows`` on these rows already (a put
+        waiting for room is retried, and need not be checked again each time).
         """
+        if not checked:
+            check_rows(rows)
         fresh: dict[str, dict[str, Any]] = {}
         for r in rows:
             if r["uid"] not in self.rows and r["uid"] not in self.finished:
                 fresh.setdefault(r["uid"], r)
+        self._check_groups(fresh)
         if len(fresh) > self.capacity:
             raise BusError(
                 f"a put of {len(fresh)} rows can never fit a bus of capacity {self.capacity}"
@@ -176,6 +226,35 @@ class BusTable:
             ops.append({"op": "put", "rows": list(fresh.values())})
         return self._apply_all(ops)
 
+    def _check_groups(self, fresh: dict[str, dict[str, Any]]) -> None:
+        """Refuse rows that would make a group no whole-group take can ever complete: larger
+        than a training batch, sizes that disagree, more rows than its size."""
+        sizes: dict[str, int] = {}
+        counts: Counter[str] = Counter()
+        for uid, r in fresh.items():
+            group, size = r["group"], r.get("group_size", 1)
+            if size > self.batch_size:
+                raise BadRow(
+                    uid,
+                    "group_size",
+                    f"is {size}: a group of {size} rows can never fit a training batch of "
+                    f"{self.batch_size} rows (the trainer takes whole groups)",
+                )
+            live = self.groups.get(group)
+            known = sizes.get(group)
+            if known is None and live:
+                known = self.rows[live[0]].group_size
+            if known is not None and known != size:
+                raise BadRow(
+                    uid, "group_size", f"is {size} but group {group!r} has group_size {known}"
+                )
+            sizes[group] = size
+            counts[group] += 1
+            if counts[group] + len(live or ()) > size:
+                raise BadRow(
+                    uid, "group", f"{group!r} would hold more rows than its group_size {size}"
+                )
+
     def mark_seq(self, ops: list[Op], seq: int) -> None:
         """Remember the log position of the put records among ``ops`` (see ``oldest_live_seq``)."""
         for op in ops:
@@ -185,7 +264,12 @@ class BusTable:
                         self.rows[r["uid"]].seq = seq
 
     def add_columns(self, uid: str, columns: dict[str, Any]) -> list[Op]:
+        """Ops that write ``columns`` of row ``uid`` (each column once; ``BadColumn`` for a
+        value that breaks the schema, nothing written)."""
+        if not isinstance(uid, str):
+            raise BadRow(repr(uid)[:60], "uid", "must be a string")
         row = self.rows.get(uid)
+        check_columns(uid, columns, row.columns if row is not None else None)
         if row is None:
             if uid in self.finished:
                 return []  # a late write to a finished row: nothing left to do
@@ -222,28 +306,24 @@ class BusTable:
         if task not in self.tasks:
             raise UnknownTask(f"unknown consumer task {task!r}; the bus serves {list(self.tasks)}")
         ops: list[Op] = []
-        chosen: list[Row] = []
-        tokens = 0
         trainer = task == self.trainer_task
         floor = self.min_version() if trainer else -math.inf
         units = list(self._units(task, columns, whole_groups))
         if trainer:  # oldest versions first: they are the ones about to go stale
             units.sort(key=lambda unit: min(r.version for r in unit))
+        usable: list[list[Row]] = []
         for unit in units:
             if trainer and min(r.version for r in unit) < floor:
                 ops.append(self._drop_op(unit, "stale"))
                 continue
-            unit_tokens = sum(r.tokens for r in unit)
             too_long = max_row_tokens is not None and max(r.tokens for r in unit) > max_row_tokens
-            if too_long or (token_budget is not None and unit_tokens > token_budget):
+            if too_long or (
+                token_budget is not None and sum(r.tokens for r in unit) > token_budget
+            ):
                 ops.append(self._drop_op(unit, "oversized"))
                 continue
-            if len(chosen) + len(unit) > batch_size:
-                break
-            if token_budget is not None and tokens + unit_tokens > token_budget:
-                break
-            chosen.extend(unit)
-            tokens += unit_tokens
+            usable.append(unit)
+        chosen = _fill(usable, batch_size, max(1, min_rows), token_budget)
         self._apply_all(ops)
         if len(chosen) < max(1, min_rows):
             return ops, None
@@ -379,6 +459,56 @@ class BusTable:
             self._apply(ops[-1])
         return ops
 
+    def commit_weights(
+        self,
+        version: int,
+        publish: str,
+        *,
+        task: str | None = None,
+        items: list[Item] | None = None,
+        set_trainer_version: bool = True,
+    ) -> list[Op]:
+        """One step's commit as ONE op (one log record): weights ``version`` (upload
+        ``publish``) becomes visible, the rows it was trained on are acked, and the trainer
+        version moves (dropping rows that became too stale). A bus killed at any moment
+        replays either all of it or none of it, so it can neither expose weights whose rows
+        go back to the queue nor ack rows whose update is lost."""
+        if version <= self.weights_version:
+            raise BusError(
+                f"weight version {version} is not newer than the committed {self.weights_version}"
+            )
+        items = items or []
+        valid: list[list[Any]] = []
+        if items:
+            if task not in self.tasks:
+                raise UnknownTask(f"unknown consumer task {task!r}")
+            for uid, attempt in items:
+                row = self.rows.get(uid)
+                state = row.progress[task] if row is not None else ("gone", None)
+                if state[0] != "acked" and state[1] == attempt:
+                    valid.append([uid, attempt])
+        op: Op = {
+            "op": "commit",
+            "version": version,
+            "publish": publish,
+            "set_version": set_trainer_version,
+            "task": task,
+            "items": valid,
+            "ignored": len(items) - len(valid),
+            "drop": None,
+        }
+        self._apply(op)
+        floor = self.min_version()
+        stale = [
+            r
+            for r in self.rows.values()
+            if r.version < floor and r.progress[self.trainer_task][0] == "pending"
+        ]
+        if stale and set_trainer_version:
+            op["drop"] = self._drop_op(stale, "stale")
+            self._apply(op["drop"])  # logged inside the commit: replayed in the same order
+        return [op]
+
     def expire(self, now: float) -> list[Op]:
         """Ops that return expired leases' rows to the queue and cancel expired admissions."""
         ops: list[Op] = []
@@ -413,6 +543,8 @@ class BusTable:
     def apply(self, op: Op, seq: int = 0) -> None:
         """Apply one logged op (replay after a restart); ``seq`` is its log position."""
         self._apply(op)
+        if op["op"] == "commit" and op.get("drop"):
+            self._apply(op["drop"])  # the stale drop decided inside the commit
         self.mark_seq([op], seq)
 
     def _apply(self, op: Op) -> None:
@@ -476,6 +608,18 @@ class BusTable:
             self.version = max(self.version, op["version"])
         elif kind == "count":
             self.counters[op["name"]] += op["n"]
+        elif kind == "commit":  # see commit_weights; replay applies "drop" after this
+            for uid, attempt in op["items"]:
+                self._ack_one(op["task"], uid, attempt)
+            if op["ignored"]:
+                self.counters["ignored_acks"] += op["ignored"]
+            self.weights_version = max(self.weights_version, op["version"])
+            self.publishes[op["version"]] = op["publish"]
+            for old in sorted(self.publishes)[:-16]:  # a retry only ever quotes a recent one
+                del self.publishes[old]
+            if op["set_version"]:
+                self.version = max(self.version, op["version"])
+            self.counters["weight_commits"] += 1
         elif kind == "state":
             self._restore(op)
         else:
@@ -564,6 +708,8 @@ class BusTable:
         return {
             "op": "state",
             "version": self.version,
+            "weights_version": self.weights_version,
+            "publishes": [[v, p] for v, p in sorted(self.publishes.items())],
             "next_lease": self.next_lease,
             "counters": dict(self.counters),
             "finished": list(self.finished),
@@ -575,6 +721,8 @@ class BusTable:
 
     def _restore(self, op: Op) -> None:
         self.version = max(self.version, op["version"])
+        self.weights_version = max(self.weights_version, op.get("weights_version", -1))
+        self.publishes.update({int(v): p for v, p in op.get("publishes", ())})
         self.next_lease = max(self.next_lease, op["next_lease"])
         self.counters = Counter(op["counters"])
         for uid in op["finished"]:

@@ -4,8 +4,15 @@ Latest-value and versioned: the trainer opens a version, sends its tensors in bu
 commits; only a committed version is ever visible, so a subscriber never sees a mix of two.
 The newest ``keep`` versions stay readable so a subscriber part-way through version ``v`` can
 finish it even if ``v+1`` lands meanwhile; an older one is gone (``VersionGone``: start over
-with the latest). With a directory, each committed version is also written as one safetensors
-file (write, fsync, rename), so a restarted bus serves the current weights at once.
+with the latest).
+
+With a directory, a commit is three moves, and the bus's log decides between the first two
+(``BusService._op_w_commit``): ``seal`` + ``stage`` write the version under a temporary name
+(``.v<N>.staged``, all bytes on disk), the bus logs ONE commit record (version, publish id and
+the ack of the rows it was trained on), then ``promote`` renames the file to its final name
+and makes the version visible. ``recover`` is given the newest version the log committed: a
+staged file the log knows is promoted, one it does not know is deleted, and so is a final file
+above it — a restarted bus never serves weights whose commit (and ack) it did not log.
 """
 
 from __future__ import annotations
@@ -16,12 +23,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from relax.errors import BusError
+from relax.errors import BusError, UploadLost, VersionGone  # re-exported here
 from relax.transport import RawTensor
-
-
-class VersionGone(BusError):
-    """That weight version was superseded and dropped; poll for the latest and start over."""
 
 
 class WeightStore:
@@ -58,26 +61,49 @@ class WeightStore:
     def put_bucket(self, version: int, index: int, tensors: dict[str, Any]) -> None:
         pending = self.open.get(version)
         if pending is None:
-            raise BusError(f"weight version {version} was not begun (or was replaced)")
+            raise UploadLost(f"weight version {version} was not begun (or was replaced)")
         if not 0 <= index < len(pending["buckets"]):
             raise BusError(f"bucket {index} out of range for version {version}")
         pending["buckets"][index] = tensors
         self.stats["buckets_in"] += 1
         self.stats["bytes_in"] += sum(_nbytes(t) for t in tensors.values())
 
-    def commit(self, version: int) -> None:
-        pending = self.open.pop(version, None)
+    def seal(self, version: int) -> dict[str, Any]:
+        """Close the open upload of ``version`` (every bucket must be there) for ``stage``."""
+        pending = self.open.get(version)
         if pending is None:
-            raise BusError(f"weight version {version} was not begun")
+            raise UploadLost(f"weight version {version} was not begun")
         missing = [i for i, b in enumerate(pending["buckets"]) if b is None]
         if missing:
             raise BusError(f"weight version {version} is missing buckets {missing}")
-        if self.directory is not None and pending["meta"].get("via") != "group":
-            self._persist(version, pending)
-        self.committed[version] = pending
+        del self.open[version]
+        return pending
+
+    def stage(self, version: int, entry: dict[str, Any]) -> None:
+        """Write a sealed version under its temporary name (a thread may run this)."""
+        if self.directory is not None and entry["meta"].get("via") != "group":
+            self._write(version, entry, self._staged(version))
+
+    def promote(self, version: int, entry: dict[str, Any]) -> None:
+        """The log holds the commit: the version becomes the current one (file renamed)."""
+        if self.directory is not None and entry["meta"].get("via") != "group":
+            os.replace(self._staged(version), self._final(version))
+            self._prune_files()
+        self.committed[version] = entry
         for old in sorted(self.committed)[: -self.keep]:
             del self.committed[old]
         self.stats["published"] += 1
+
+    def discard(self, version: int) -> None:
+        """The commit was not logged after all: its staged file must never be served."""
+        if self.directory is not None:
+            self._staged(version).unlink(missing_ok=True)
+
+    def commit(self, version: int) -> None:
+        """Seal, stage and promote at once: for a store whose commits nothing else logs."""
+        entry = self.seal(version)
+        self.stage(version, entry)
+        self.promote(version, entry)
 
     def latest_after(self, after: int) -> dict[str, Any] | None:
         if self.current <= after:
@@ -101,10 +127,17 @@ class WeightStore:
 
     # ------------------------------------------------------------------ on disk
 
-    def _persist(self, version: int, entry: dict[str, Any]) -> None:
-        """Write the version as one safetensors file (tmp, then rename: all or nothing).
+    def _staged(self, version: int) -> Path:
+        assert self.directory is not None
+        return self.directory / f".v{version:012d}.staged"
 
-        The file is written straight from the tensors' bytes (wire-form tensors are never
+    def _final(self, version: int) -> Path:
+        assert self.directory is not None
+        return self.directory / f"v{version:012d}.safetensors"
+
+    def _write(self, version: int, entry: dict[str, Any], path: Path) -> None:
+        """Write the version as one safetensors file at ``path`` (via a ``.tmp``: a torn write
+        never carries the name). Straight from the tensors' bytes (wire-form tensors are never
         turned into torch tensors here); ``safetensors`` reads it back in ``recover``.
         """
         assert self.directory is not None
@@ -133,17 +166,42 @@ class WeightStore:
                 f.write(view)
             if self.fsync:
                 os.fsync(f.fileno())
-        os.replace(tmp, self.directory / f"v{version:012d}.safetensors")
+        os.replace(tmp, path)
+
+    def _prune_files(self) -> None:
+        assert self.directory is not None
         for old in sorted(self.directory.glob("v*.safetensors"))[: -self.keep]:
             old.unlink(missing_ok=True)
 
-    def recover(self) -> None:
-        """Load the newest committed version written before a restart."""
+    def recover(self, committed: int | None = None, *, trust_final: bool = False) -> None:
+        """Load the newest version written before a restart.
+
+        ``committed``: the newest version the bus log committed (-1: none). A staged file at or
+        below it was committed (the bus died before the rename) and is promoted; anything above
+        it — staged or final — was never logged and is deleted, never served. ``None``, or
+        ``trust_final`` (a log from before commit records), keeps the final files as they are.
+        """
         if self.directory is None or not self.directory.exists():
             return
-        files = sorted(self.directory.glob("v*.safetensors"))
+        known = -1 if committed is None else committed
+        for tmp in self.directory.glob(".v*.tmp"):
+            tmp.unlink(missing_ok=True)  # a write torn by the kill
+        for staged in sorted(self.directory.glob(".v*.staged")):
+            version = int(staged.name[2:].split(".")[0])
+            if version <= known:
+                os.replace(staged, self._final(version))
+            else:
+                staged.unlink(missing_ok=True)
+        files = []
+        for path in sorted(self.directory.glob("v*.safetensors")):
+            unknown = int(path.name[1:].split(".")[0]) > known
+            if unknown and committed is not None and not trust_final:
+                path.unlink(missing_ok=True)
+            else:
+                files.append(path)
         if not files:
             return
+        self._prune_files()
         from safetensors import safe_open
 
         with safe_open(str(files[-1]), framework="pt") as f:

@@ -357,12 +357,38 @@ def validate_config(
             line = locate(lines, path)
             for key_path, override in overridden:
                 if path[: len(key_path)] == key_path:
-                    line, hint = None, f"set by override {override!r}"
+                    # Keep the problem's own hint ("did you mean ...?"): a typo on the
+                    # command line deserves the same help as one in the file.
+                    note = f"set by override {override!r}"
+                    line, hint = None, f"{hint}; {note}" if hint else note
             issue = ConfigIssue(path=format_path(path), message=message, line=line, hint=hint)
             if issue not in issues:
                 issues.append(issue)
         issues.sort(key=lambda issue: (issue.line is None, issue.line or 0))
         raise ConfigError(issues, source=source) from None
+
+
+def place_issues(
+    issues: Sequence[ConfigIssue], text: str | None, overrides: Sequence[str] = ()
+) -> list[ConfigIssue]:
+    """``issues`` found after loading (by ``relax.preflight``), each given the line of its key
+    in ``text`` — or, for a key an override set, a note naming the override instead."""
+    lines = key_lines(text) if text else {}
+    overridden = [
+        (key_path, override)
+        for override in overrides
+        if (key_path := override_path(override.partition("=")[0].strip()))
+    ]
+    placed = []
+    for issue in issues:
+        path = override_path(issue.path) or ()
+        line, hint = (issue.line if issue.line is not None else locate(lines, path)), issue.hint
+        for key_path, override in overridden:
+            if path[: len(key_path)] == key_path:
+                note = f"set by override {override!r}"
+                line, hint = None, f"{hint}; {note}" if hint else note
+        placed.append(ConfigIssue(path=issue.path, message=issue.message, line=line, hint=hint))
+    return placed
 
 
 _TOML_POSITION = re.compile(r"\s*\(at line (\d+), column (\d+)\)|\s*\(at end of document\)")
@@ -394,8 +420,8 @@ def load_config(path: str | os.PathLike[str], *, overrides: Sequence[str] = ()) 
     """Read, parse and validate the cluster config at ``path`` (``overrides`` applied first).
 
     Raises ``ConfigError`` for an unreadable file, invalid TOML or any invalid key (all of them
-    at once). Files the config points to (model folders, data files) are not checked here;
-    that happens when the cluster starts.
+    at once). Files the config points to (model folders, data files), import paths and the
+    environment are not checked here: ``relax.preflight`` does that, before anything starts.
     """
     source = os.fspath(path)
     try:
@@ -450,5 +476,6 @@ __all__ = [
     "apply_overrides",
     "load_config",
     "parse_config",
+    "place_issues",
     "validate_config",
 ]

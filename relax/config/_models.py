@@ -46,9 +46,9 @@ class PortsConfig(ConfigModel):
     """``[cluster.ports]``: where the cluster listens when it talks TCP."""
 
     control: Port = 0
-    """Port of the control endpoint (`relax status`, `relax stop`); 0 picks a free port."""
+    """TCP port of the control endpoint (`relax status`, `relax down`) on `cluster.host`; 0 picks a free one (over ipc on one machine, tcp when the bus is). `relax validate` checks a fixed port is free."""
     bus: Port = 0
-    """Port of the TransferQueue when the bus runs over TCP; 0 picks a free port."""
+    """Port of the TransferQueue when the bus runs over TCP (only then: set with another transport, it is refused); 0 picks a free port, held for the run so a restarted bus gets it again."""
     metrics: Port = 0
     """Port of the Prometheus metrics endpoint; 0 picks a free port."""
 
@@ -89,7 +89,7 @@ class ClusterSection(ConfigModel):
     secret: SecretStr | None = None
     """Shared secret every TCP connection must prove it holds (at least 16 characters). Prefer `secret_env` so it stays out of files."""
     secret_env: str | None = None
-    """Name of the environment variable that holds the shared secret; read when the cluster starts."""
+    """Name of the environment variable that holds the shared secret; read once when the cluster starts (`relax validate` fails when it is not set) and used by the buses, every role and the control endpoint."""
     run_dir: str = "runs"
     """Folder (relative to the working directory) where each run writes logs, metrics and checkpoints."""
 

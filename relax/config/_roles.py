@@ -50,7 +50,7 @@ class ChildConfig(ConfigModel):
     """Settings every supervised child has: where it runs and how it is restarted and watched."""
 
     placement: Placement = "inproc"
-    """Where it runs: "inproc" (an asyncio task in the supervisor's process), "process" (its own OS process) or "ray" (a Ray actor)."""
+    """Where it runs: "inproc" (an asyncio task in the supervisor's process) or "process" (its own OS process). "ray" (a Ray actor) is reserved: not built yet, `relax validate` refuses it."""
     restart: Restart = "permanent"
     """When it is restarted: "permanent" (always), "transient" (only after a crash) or "temporary" (never)."""
     shutdown: Shutdown | None = None
@@ -229,7 +229,7 @@ class RolloutConfig(RoleConfig):
             problems.add(("stop", index), "a stop string must not be empty")
 
 
-RewardKind = Literal["exact_match", "numeric", "regex", "length_penalty", "python", "http"]
+RewardKind = Literal["exact_match", "numeric", "math", "regex", "length_penalty", "python", "http"]
 
 
 class RewardFunctionConfig(ConfigModel):
@@ -238,7 +238,7 @@ class RewardFunctionConfig(ConfigModel):
     name: SafeName
     """Unique name of this function; its score is logged under it."""
     kind: RewardKind
-    """What it computes: "exact_match" (answer equals the reference), "numeric" (answers equal as numbers), "regex" (response matches `pattern`), "length_penalty" (penalises long responses), "python" (calls `target`) or "http" (POSTs to `target`)."""
+    """What it computes: "exact_match" (answer equals the reference), "numeric" (answers equal as numbers), "math" (answers equal as mathematics, by math-verify: LaTeX, fractions, \\boxed{}), "regex" (response matches `pattern`), "length_penalty" (penalises long responses), "python" (calls `target`) or "http" (POSTs to `target`)."""
     weight: float = Field(1.0, allow_inf_nan=False)
     """Multiplier of this function's score in the total reward (may be negative)."""
     target: str | None = None
@@ -249,11 +249,17 @@ class RewardFunctionConfig(ConfigModel):
     """Seconds one call may take before the sample's score counts as failed."""
     options: dict[str, Any] = {}
     """Extra keyword arguments passed to the function (free-form table)."""
+    batched: bool = False
+    """For kind "python": the function scores a whole batch in one call, `fn(responses, samples, **options)` returning one score per sample (what a reward model needs); it gets up to `reward.batch_size` samples and `timeout` is per call."""
+    components: dict[SafeName, Annotated[float, Field(allow_inf_nan=False)]] = {}
+    """For a function that returns a table of named scores (e.g. `{"correct": 1.0, "format": 0.5}`): the weight of each in the total (a name not listed weighs 1), times `weight`. Each is logged as `<name>/<component>`."""
 
     @model_validator(mode="after")
     def _kind_needs(self) -> RewardFunctionConfig:
         problems = Problems()
         kind = self.kind
+        if self.batched and kind != "python":
+            problems.add("batched", f'only kind "python" can be batched, not {show(kind)}')
         if kind == "python":
             if self.target is None:
                 problems.add("target", 'kind "python" needs target = "package.module:function"')
@@ -295,6 +301,10 @@ class RewardConfig(RoleConfig):
 
     functions: FrozenList[RewardFunctionConfig] = (_DEFAULT_REWARD,)
     """The scoring functions; a sample's reward is the weighted sum of their scores. Unset means one exact-match function named "correct"."""
+    batch_size: PositiveInt = 64
+    """Samples the role takes from the bus and scores together (the most a batched function gets in one call)."""
+    max_failed_groups: NonNegativeInt = 20
+    """Consecutive groups whose reward failed (raised, timed out, or was not a finite number) after which the run stops with exit 1 and the function's traceback: a reward that always fails would otherwise drop every sample forever. 0 never stops."""
 
     def _collect_problems(self, problems: Problems) -> None:
         super()._collect_problems(problems)

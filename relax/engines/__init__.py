@@ -23,8 +23,10 @@ from relax.engines._base import (
     FinishReason,
     Generation,
     GenerationEngine,
+    OnToken,
     SamplingParams,
     StateDict,
+    TokenEvent,
 )
 from relax.engines._hf import HFEngine, MediaInputs
 from relax.engines._models import (
@@ -60,8 +62,10 @@ __all__ = [
     "GenerationEngine",
     "HFEngine",
     "MediaInputs",
+    "OnToken",
     "SamplingParams",
     "StateDict",
+    "TokenEvent",
     "build_byte_tokenizer",
     "build_tiny_model",
     "check_vocab",

@@ -8,36 +8,45 @@ Log-probabilities (``Generation.logprobs``) — the contract every engine keeps:
 
     logprobs[t] = log p(response_ids[t] | prompt_ids + response_ids[:t])
 
-where ``p`` is the distribution the token was *actually sampled from*: the model's logits
-divided by ``temperature``, then (when enabled) restricted to the ``top_k`` most likely tokens
-and to the smallest set whose mass reaches ``top_p``, and renormalised. With ``top_k = 0`` and
+where ``p`` is the distribution the token was *actually sampled from* (the "processed"
+distribution): the model's logits plus ``logit_bias``, minus the ``frequency_penalty`` times
+each token's count in the response so far and the ``presence_penalty`` for each token already
+in it (OpenAI's definitions; the prompt does not count), divided by ``temperature``, then (when
+enabled) restricted to the ``top_k`` most likely tokens and to the smallest set whose mass
+reaches ``top_p``, and renormalised. ``Generation.top_logprobs`` lists the most likely tokens
+of that same distribution (tokens it cannot draw, outside top-k/top-p, are not listed). With ``top_k = 0`` and
 ``top_p = 1`` (the RL setting) this is exactly ``log_softmax(logits / temperature)``, the
-quantity a trainer recomputes. With truncation it is larger by ``-log(kept mass)``: a trainer
+quantity a trainer recomputes (without bias and penalties: a trainer recomputing the plain
+model distribution sees their effect as a gap, like truncation's). With truncation it is larger by ``-log(kept mass)``: a trainer
 that recomputes without truncation sees a systematic gap, so keep truncation off for RL (or
 correct for it). ``temperature = 0`` means greedy decoding; the logprobs are then
-``log_softmax(logits)`` (temperature 1), since the greedy "distribution" is degenerate.
+``log_softmax`` of the biased and penalised logits (temperature 1), since the greedy
+"distribution" is degenerate.
+
+Streaming: an engine whose ``streams`` is true takes ``on_token`` in ``generate`` and calls it
+on the caller's event loop (never from a worker thread) once per decode step with that step's
+``TokenEvent``s, in order, all of them before ``generate`` returns. For an engine that does not stream,
+the ``Sampler`` replays each finished generation as events (time to first token is then the
+whole generation).
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
-from relax.errors import RelaxError
+from relax.errors import EngineError
 
 FinishReason = Literal["stop", "length"]
 
 StateDict = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 """Weights for ``load_weights``: a state dict, or ``(name, tensor)`` pairs (e.g. streamed buckets)."""
-
-
-class EngineError(RelaxError, ValueError):
-    """A generation engine refused a request or a weight update; nothing was changed."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +67,28 @@ class SamplingParams:
     """Responses sampled per prompt."""
     seed: int | None = None
     """Seed of the sampling; the same seed, prompts and weights give the same responses."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """``(token id, bias)`` pairs added to the logits before anything else (OpenAI's
+    ``logit_bias``; -100 all but bans a token, +100 all but forces it)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already in the response (OpenAI's)."""
+    frequency_penalty: float = 0.0
+    """Times a token's count in the response so far, subtracted from its logit (OpenAI's)."""
+    top_logprobs: int = 0
+    """How many of the most likely tokens (of the processed distribution) to record per step
+    in ``Generation.top_logprobs``; 0 records none."""
 
     def __post_init__(self) -> None:
         problems = []
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                problems.append(f"{name} must be a finite number, got {value}")
+        bad_bias = [(t, b) for t, b in self.logit_bias if not math.isfinite(b) or t < 0]
+        if bad_bias:
+            problems.append(f"logit_bias needs token ids ≥ 0 and finite biases, got {bad_bias[:3]}")
+        if self.top_logprobs < 0:
+            problems.append(f"top_logprobs must be ≥ 0, got {self.top_logprobs}")
         if self.max_new_tokens < 1:
             problems.append(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if not self.temperature >= 0 or self.temperature == float("inf"):
@@ -78,6 +106,39 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether this is greedy decoding (temperature 0)."""
         return self.temperature == 0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether presence or frequency penalties apply (counts of sampled tokens needed)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def bias_pairs(
+    logit_bias: Mapping[int, float] | Iterable[tuple[int, float]] | None,
+) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted ``(id, bias)`` pairs (hashable: a sampler groups by it)."""
+    if not logit_bias:
+        return ()
+    items = logit_bias.items() if isinstance(logit_bias, Mapping) else logit_bias
+    return tuple(sorted((int(t), float(b)) for t, b in items))
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One token just sampled, as a streaming engine reports it (see the module docstring)."""
+
+    sequence: int
+    """Which generation of the call: prompt ``i``'s sample ``k`` is ``i * n + k``."""
+    token_id: int
+    logprob: float
+    version: int
+    """The weights version whose logits the token was drawn from."""
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    """``(id, logprob)`` of the most likely tokens, when ``top_logprobs`` was asked for."""
+
+
+OnToken = Callable[[list[TokenEvent]], None]
+"""A streaming callback: one decode step's tokens (see the module docstring)."""
 
 
 @dataclass
@@ -101,6 +162,9 @@ class Generation:
     """Weights version whose logits each token of ``response_ids`` was sampled from; ``None``
     when the engine does not track it (then every token is ``version``)."""
     metadata: dict[str, Any] = field(default_factory=dict)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per token, ``(id, logprob)`` of the most likely tokens of the distribution it was drawn
+    from, most likely first (``SamplingParams.top_logprobs`` of them); ``None`` when not asked."""
 
 
 def sampling_request(
@@ -117,7 +181,15 @@ def sampling_request(
             raise EngineError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         seed = None
     stops = tuple(int(t) for t in sampling.pop("stop_token_ids", ()))
-    return SamplingParams(stop_token_ids=stops, seed=seed, **sampling), seeds
+    bias = bias_pairs(sampling.pop("logit_bias", None))
+    return SamplingParams(stop_token_ids=stops, seed=seed, logit_bias=bias, **sampling), seeds
+
+
+def check_bias(params: SamplingParams, vocab_size: int) -> None:
+    """``EngineError`` when ``logit_bias`` names an id outside the vocabulary."""
+    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if bad:
+        raise EngineError(f"logit_bias has token ids outside [0, {vocab_size}): {bad[:5]}")
 
 
 def check_prompt(
@@ -158,6 +230,9 @@ class GenerationEngine(abc.ABC):
     version of every token (``Generation.token_versions``), as partial-rollout systems do.
     """
 
+    streams: bool = False
+    """Whether ``generate`` reports tokens as they are sampled (``on_token``)."""
+
     @property
     @abc.abstractmethod
     def version(self) -> int:
@@ -176,8 +251,18 @@ class GenerationEngine(abc.ABC):
         n: int = 1,
         seed: int | Sequence[int] | None = None,
         mm_inputs: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        top_logprobs: int = 0,
+        on_token: OnToken | None = None,
     ) -> list[Generation]:
         """Sample ``n`` responses per prompt.
+
+        ``logit_bias``, ``presence_penalty``, ``frequency_penalty`` shape the distribution
+        sampled from (see the module docstring); ``top_logprobs`` records its ``N`` most likely
+        tokens per step; ``on_token`` (engines that ``stream``) reports each token as it is
+        sampled. An engine that cannot honour one of them raises ``EngineError``, never ignores it.
 
         ``seed``: one int seeds the whole call; a sequence gives each prompt its own seed, so a
         prompt's samples do not depend on which other prompts share the batch (a retried prompt

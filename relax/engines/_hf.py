@@ -13,8 +13,13 @@ How it works, and why:
   sequences. Concurrent calls are serialised, not merged: each call is already a batch, and the
   rollout role sizes its calls.
 - **Logprobs of what was sampled.** Each token is drawn from the processed distribution
-  (temperature, then top-k, then top-p, renormalised) and its logprob is read from that same
-  distribution — the behaviour policy's logprob by construction (see ``relax.engines._base``).
+  (``logit_bias`` and presence/frequency penalties on the logits, then temperature, top-k,
+  top-p, renormalised) and its logprob — and, when asked, the top-N alternatives — are read
+  from that same distribution: the behaviour policy's logprob by construction (see
+  ``relax.engines._base``). Penalties count the tokens each row sampled so far.
+- **Streaming.** With ``on_token``, each decode step's tokens are handed to the caller's event
+  loop (``call_soon_threadsafe``, so all of them arrive before the call returns) while the
+  worker thread goes on decoding.
 - **Media.** A multimodal model (e.g. a Qwen2.5-Omni thinker) takes each prompt's processed
   media (``mm_inputs``), checked against the prompt's placeholder tokens first; the prefill runs
   them batched (``collate_mm_inputs``, each of a prompt's ``n`` rows repeating its media). An
@@ -33,6 +38,7 @@ How it works, and why:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 import time
@@ -48,8 +54,11 @@ from relax.engines._base import (
     EngineError,
     Generation,
     GenerationEngine,
+    OnToken,
     SamplingParams,
     StateDict,
+    TokenEvent,
+    check_bias,
     check_prompt,
     sampling_request,
     with_rates,
@@ -82,6 +91,8 @@ class HFEngine(GenerationEngine):
     The one thing of the checkpoint's generation config kept is ``suppress_tokens``: those ids
     are never sampled (see ``suppressed_token_ids``).
     """
+
+    streams = True
 
     def __init__(
         self,
@@ -181,6 +192,11 @@ class HFEngine(GenerationEngine):
         n: int = 1,
         seed: int | Sequence[int] | None = None,
         mm_inputs: Sequence[MediaInputs | None] | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        top_logprobs: int = 0,
+        on_token: OnToken | None = None,
     ) -> list[Generation]:
         """See ``GenerationEngine.generate``. ``mm_inputs[i]``: prompt ``i``'s processed media
         (``None`` for none), matching the placeholder tokens in ``prompts[i]``; ``EngineError``
@@ -194,13 +210,28 @@ class HFEngine(GenerationEngine):
             top_k=top_k,
             stop_token_ids=stop_token_ids,
             n=n,
+            logit_bias=logit_bias,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            top_logprobs=top_logprobs,
         )
+        check_bias(params, self._vocab_size)
         checked = [self._check_prompt(i, p, max_new_tokens) for i, p in enumerate(prompts)]
         media = self._check_media(checked, mm_inputs)
         if not checked:
             return []
+        emit = None
+        if on_token is not None:
+            loop = asyncio.get_running_loop()
+
+            def emit(events: list[TokenEvent]) -> None:
+                # FIFO with the call's own result (also delivered by call_soon_threadsafe), so
+                # every token reaches the callback before ``generate`` returns.
+                with contextlib.suppress(RuntimeError):  # the loop closed under a stray thread
+                    loop.call_soon_threadsafe(on_token, events)
+
         async with self._async_lock():
-            return await asyncio.to_thread(self._generate_sync, checked, params, seeds, media)
+            return await asyncio.to_thread(self._generate_sync, checked, params, seeds, media, emit)
 
     async def load_weights(self, version: int, state_dict: StateDict) -> None:
         items = list(state_dict.items()) if isinstance(state_dict, Mapping) else list(state_dict)
@@ -251,6 +282,7 @@ class HFEngine(GenerationEngine):
         params: SamplingParams,
         seeds: list[int] | None,
         media: list[dict[str, torch.Tensor] | None],
+        emit: OnToken | None = None,
     ) -> list[Generation]:
         with self._thread_lock:
             with self._pending_lock:
@@ -270,7 +302,7 @@ class HFEngine(GenerationEngine):
                     shared = torch.Generator(device=self._device).manual_seed(params.seed)
                 for start in range(0, len(jobs), self.max_batch_size):
                     out += self._generate_batch(
-                        jobs[start : start + self.max_batch_size], params, shared
+                        jobs[start : start + self.max_batch_size], params, shared, emit, start
                     )
             finally:
                 # Updates offered during the last decode step land now, before anyone else
@@ -291,8 +323,11 @@ class HFEngine(GenerationEngine):
         jobs: list[_Job],
         params: SamplingParams,
         shared: torch.Generator | None,
+        emit: OnToken | None = None,
+        first: int = 0,
     ) -> list[Generation]:
-        """Decode one left-padded batch token by token with a KV cache.
+        """Decode one left-padded batch token by token with a KV cache; ``emit`` hears each
+        step's tokens (row ``r`` is sequence ``first + r`` of the call).
 
         Our own loop rather than ``generate``: between two tokens a waiting weight update can
         land (interruptible rollouts), and each row may draw from its own seeded generator.
@@ -324,17 +359,32 @@ class HFEngine(GenerationEngine):
         stops = torch.tensor(sorted(params.stop_token_ids), dtype=torch.long, device=device)
         tokens: list[torch.Tensor] = []
         logprobs: list[torch.Tensor] = []
+        tops: list[tuple[torch.Tensor, torch.Tensor]] = []
         versions: list[int] = []
         done = torch.zeros(size, dtype=torch.bool, device=device)
         ended_at = torch.full((size,), params.max_new_tokens, dtype=torch.long)
+        bias = None
+        if params.logit_bias:
+            bias = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=device)
+            ids, values = zip(*params.logit_bias, strict=True)
+            bias[list(ids)] = torch.tensor(values, dtype=logits.dtype, device=device)
+        # Per row: how often each id was sampled so far (for the penalties).
+        counts = torch.zeros_like(logits) if params.penalised else None
         for step in range(params.max_new_tokens):
+            logits = _processed_logits(logits, params, bias, counts)
             if self._suppressed is not None:
                 logits = logits.index_fill(-1, self._suppressed, -math.inf)
             # The logits came from the weights served now: that is this token's version.
-            token, logprob = _sample(logits, params, shared, rows_rng)
+            token, logprob, logp = _sample(logits, params, shared, rows_rng)
             tokens.append(token)
             logprobs.append(logprob)
             versions.append(self._version)
+            if params.top_logprobs:
+                tops.append(logp.topk(min(params.top_logprobs, logp.shape[-1]), dim=-1))
+            if counts is not None:
+                counts.scatter_add_(-1, token[:, None], torch.ones_like(logprob[:, None]))
+            if emit is not None:
+                self._emit(emit, first, token, logprob, tops[-1] if tops else None, done)
             if stops.numel():
                 stopped = torch.isin(token, stops) & ~done
                 ended_at[stopped.cpu()] = step + 1
@@ -358,10 +408,18 @@ class HFEngine(GenerationEngine):
         all_tokens = torch.stack(tokens, 1).cpu()
         stop_set = set(params.stop_token_ids)
         all_logprobs = torch.stack(logprobs, 1).cpu()
+        top_values = torch.stack([v for v, _ in tops], 1).cpu() if tops else None
+        top_ids = torch.stack([i for _, i in tops], 1).cpu() if tops else None
         result = []
         for row, (prompt, index, *_) in enumerate(jobs):
             end = min(int(ended_at[row]), all_tokens.shape[1])
             ids, row_versions = all_tokens[row, :end].tolist(), versions[:end]
+            row_tops = None
+            if top_values is not None and top_ids is not None:
+                row_tops = [
+                    _finite_pairs(top_ids[row, t].tolist(), top_values[row, t].tolist())
+                    for t in range(end)
+                ]
             result.append(
                 Generation(
                     prompt_ids=list(prompt),
@@ -371,9 +429,41 @@ class HFEngine(GenerationEngine):
                     version=min(row_versions, default=self._version),
                     index=index,
                     token_versions=row_versions,
+                    top_logprobs=row_tops,
                 )
             )
         return result
+
+    def _emit(
+        self,
+        emit: OnToken,
+        first: int,
+        token: torch.Tensor,
+        logprob: torch.Tensor,
+        top: tuple[torch.Tensor, torch.Tensor] | None,
+        done: torch.Tensor,
+    ) -> None:
+        """Report one step's tokens of the rows still generating (a row's stop token is its
+        last)."""
+        alive = (~done).cpu().tolist()
+        ids, lps = token.cpu().tolist(), logprob.cpu().tolist()
+        top_ids = top[1].cpu().tolist() if top is not None else None
+        top_values = top[0].cpu().tolist() if top is not None else None
+        events = [
+            TokenEvent(
+                sequence=first + row,
+                token_id=ids[row],
+                logprob=lps[row],
+                version=self._version,
+                top_logprobs=tuple(_finite_pairs(top_ids[row], top_values[row]))
+                if top_ids is not None and top_values is not None
+                else (),
+            )
+            for row in range(len(ids))
+            if alive[row]
+        ]
+        if events:
+            emit(events)
 
     def _prefill_media(
         self,
@@ -490,17 +580,43 @@ def _row_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index * 7_919 + 1) % (1 << 63)
 
 
+def _processed_logits(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    bias: torch.Tensor | None,
+    counts: torch.Tensor | None,
+) -> torch.Tensor:
+    """The logits with ``logit_bias`` added and presence/frequency penalties subtracted
+    (OpenAI's formula: ``- frequency * count - presence * (count > 0)``)."""
+    if bias is not None:
+        logits = logits + bias
+    if counts is not None:
+        logits = (
+            logits
+            - params.frequency_penalty * counts
+            - params.presence_penalty * (counts > 0).to(logits.dtype)
+        )
+    return logits
+
+
+def _finite_pairs(ids: list[int], values: list[float]) -> list[tuple[int, float]]:
+    """``(id, logprob)`` pairs of tokens the distribution can draw (-inf ones are left out)."""
+    return [(i, v) for i, v in zip(ids, values, strict=True) if v != -math.inf]
+
+
 def _sample(
     logits: torch.Tensor,
     params: SamplingParams,
     shared: torch.Generator | None,
     rows_rng: list[torch.Generator] | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row; returns ``(tokens, logprobs)`` under the sampled-from
-    distribution (temperature, then top-k, then top-p, renormalised — see ``_base``)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw one token per row; returns ``(tokens, logprobs, log-distribution)`` under the
+    sampled-from distribution (temperature, then top-k, then top-p, renormalised — see
+    ``_base``)."""
     if params.greedy:
         token = logits.argmax(-1)
-        return token, logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+        logp = logits.log_softmax(-1)
+        return token, logp.gather(-1, token[:, None]).squeeze(-1), logp
     scores = logits / params.temperature
     if 0 < params.top_k < scores.shape[-1]:
         kth = scores.topk(params.top_k, dim=-1).values[:, -1:]
@@ -519,4 +635,4 @@ def _sample(
         )
     else:
         token = torch.multinomial(probs, 1, generator=shared).squeeze(-1)
-    return token, logp.gather(-1, token[:, None]).squeeze(-1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1), logp

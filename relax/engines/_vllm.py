@@ -11,6 +11,11 @@ How it works, and why:
   each sampled token, ``log_softmax`` of the logits *after* temperature, top-k and top-p (the
   default, ``raw_logprobs``, would report the untempered model distribution). Greedy requests
   report ``log_softmax(logits)``. Both are exactly the contract of ``relax.engines._base``.
+  ``logit_bias``, ``presence_penalty`` and ``frequency_penalty`` map to vLLM's own, applied
+  (as ours) to the logits before temperature, and over the response's tokens only, so the
+  processed logprobs include them; ``top_logprobs = N`` asks vLLM for its N most likely
+  processed tokens. vLLM's ``LLM.generate`` returns whole responses: this engine does not
+  stream (``streams`` is false; ``on_token`` is refused).
 - **Only our stop ids stop.** ``ignore_eos=True`` and ``generation_config="vllm"`` keep the
   checkpoint's EOS and sampling defaults out: only the arguments of ``generate`` decide.
 - **Seeds per sample.** vLLM seeds each request's own generator, and identical seeds draw
@@ -59,6 +64,7 @@ from relax.engines._base import (
     GenerationEngine,
     SamplingParams,
     StateDict,
+    check_bias,
     check_prompt,
     sampling_request,
     with_rates,
@@ -309,10 +315,20 @@ class VLLMEngine(GenerationEngine):
         n: int = 1,
         seed: int | Sequence[int] | None = None,
         mm_inputs: Sequence[Mapping[str, Any] | None] | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        top_logprobs: int = 0,
+        on_token: Any = None,
     ) -> list[Generation]:
         if mm_inputs is not None and any(m for m in mm_inputs):
             raise EngineError(
                 "the vLLM engine does not serve media yet; use engine = 'hf' for multimodal prompts"
+            )
+        if on_token is not None:
+            raise EngineError(
+                "the vLLM engine does not stream tokens (LLM.generate returns whole responses);"
+                " call it without on_token, or use engine = 'hf'"
             )
         params, seeds = sampling_request(
             prompts,
@@ -323,7 +339,12 @@ class VLLMEngine(GenerationEngine):
             top_k=top_k,
             stop_token_ids=stop_token_ids,
             n=n,
+            logit_bias=logit_bias,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            top_logprobs=top_logprobs,
         )
+        check_bias(params, self._vocab_size)
         checked = [self._check_prompt(i, p, max_new_tokens) for i, p in enumerate(prompts)]
         if not checked:
             return []
@@ -372,7 +393,11 @@ class VLLMEngine(GenerationEngine):
             top_k=params.top_k,  # 0 disables it, as ours
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=True,  # only stop_token_ids end a response
-            logprobs=0,  # just the sampled token's (processed) logprob
+            # The sampled token's (processed) logprob, and the top N when asked.
+            logprobs=params.top_logprobs,
+            logit_bias=dict(params.logit_bias) or None,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
             detokenize=False,
             seed=seed,
         )
@@ -400,6 +425,9 @@ class VLLMEngine(GenerationEngine):
                     float(entry[token].logprob)
                     for entry, token in zip(completion.logprobs, ids, strict=True)
                 ]
+                tops = None
+                if params.top_logprobs:
+                    tops = [_top(entry, params.top_logprobs) for entry in completion.logprobs]
                 out.append(
                     Generation(
                         prompt_ids=list(prompt),
@@ -408,6 +436,7 @@ class VLLMEngine(GenerationEngine):
                         finish_reason="stop" if ids and ids[-1] in stops else "length",
                         version=version,
                         index=index,
+                        top_logprobs=tops,
                     )
                 )
             self._stats["requests"] += 1
@@ -469,6 +498,17 @@ class VLLMEngine(GenerationEngine):
             llm, self.llm = self.llm, None
             if llm is not None:
                 _shutdown(llm)
+
+
+def _top(entry: Mapping[int, Any], count: int) -> list[tuple[int, float]]:
+    """vLLM's logprobs of one step (the top ``count`` by rank, plus the sampled token) as our
+    most-likely-first ``(id, logprob)`` pairs, tokens it could not draw left out."""
+    ranked = sorted(
+        (int(v.rank), int(t), float(v.logprob))
+        for t, v in entry.items()
+        if v.rank is not None and v.rank <= count
+    )
+    return [(t, lp) for _, t, lp in ranked if lp != float("-inf")]
 
 
 def _shutdown(llm: Any) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relax.errors import RelaxError
+from relax.errors import MediaError
 
 
 @dataclass(frozen=True)
@@ -70,21 +70,6 @@ class MediaLimits:
             raise ValueError(
                 f"MediaLimits.min_pixels ({self.min_pixels}) is above max_pixels ({self.max_pixels})"
             )
-
-
-class MediaError(RelaxError, ValueError):
-    """One media item could not be decoded within the limits: what, which item, and why.
-
-    ``kind`` is ``"image"``, ``"audio"`` or ``"video"``; ``item`` names the item (a path, a row
-    id, ``<bytes ...>``); ``reason`` says what is wrong with it (missing file, corrupt data,
-    wrong sample rate, too many frames, too long, too large, ...).
-    """
-
-    def __init__(self, kind: str, item: str, reason: str) -> None:
-        self.kind = kind
-        self.item = item
-        self.reason = reason
-        super().__init__(f"{kind} {item}: {reason}")
 
 
 def describe(src: Any, item: str | None) -> str:

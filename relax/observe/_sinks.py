@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from relax.errors import ConfigError
+from relax.errors import MissingPackage
 from relax.log import get_logger
 
 METRICS_FILE = "metrics.jsonl"
@@ -36,15 +36,6 @@ WANDB_DIR = "wandb"
 """Weights & Biases' local files in a run folder."""
 WANDB_ID_FILE = "wandb-run-id"
 """The W&B run id of a run folder: a restarted or resumed trainer continues the same W&B run."""
-
-
-class MissingPackage(ConfigError):
-    """A configured sink needs a package that is not installed."""
-
-    def __init__(self, package: str, key: str, extra: str | None = None) -> None:
-        hint = f"pip install {package}" + (f" (or relax-rl[{extra}])" if extra else "")
-        super().__init__(f"{key} is enabled but the {package!r} package is not installed: {hint}")
-        self.package = package
 
 
 def numeric_metrics(record: Mapping[str, Any], *, skip: Iterable[str] = ()) -> dict[str, float]:

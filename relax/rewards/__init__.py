@@ -4,12 +4,16 @@
     rewards = RewardSet.from_config(cfg.reward, answer_key=cfg.data.answer_key,
                                     max_response_tokens=cfg.rollout.max_new_tokens)
     result = await rewards.score(text, sample, response_tokens=n)
+    results = await rewards.score_batch([Sample(...), ...])  # batched functions: one call
     # result.ok, result.reward (weighted sum), result.components, result.reason
 
-Kinds (``[[reward.functions]] kind``): ``exact_match``, ``numeric``, ``regex``,
-``length_penalty`` (DAPO overlong shaping), ``python`` (a user function by import path) and
-``http`` (a JSON endpoint). A function that raises, overruns its timeout or returns NaN/Inf/a
-non-number fails the *sample* with a reason; ``score`` itself never raises.
+Kinds (``[[reward.functions]] kind``): ``exact_match``, ``numeric``, ``math`` (math-verify),
+``regex``, ``length_penalty`` (DAPO overlong shaping), ``python`` (a user function by import
+path, sync or async, per sample or ``batched``) and ``http`` (a JSON endpoint). A function gets
+a ``Sample`` (the response, its ids, the prompt text and messages, the dataset row's fields,
+uid and group) and returns a number or a dict of named component numbers. A function that
+raises, overruns its timeout or returns NaN/Inf/a non-number fails the *sample* with a reason;
+``score`` itself never raises.
 
 This package sits on the ``config`` floor: it imports only the standard library,
 ``relax.errors`` and ``relax.config``.
@@ -18,6 +22,7 @@ This package sits on the ``config`` floor: it imports only the standard library,
 from __future__ import annotations
 
 from relax.rewards._parse import extract_answer, normalize_answer, parse_last_number
+from relax.rewards._sample import STANDARD_KEYS, Sample, json_fields
 from relax.rewards._set import FailureKind, RewardResult, RewardSet
 from relax.rewards._verifiers import (
     VERIFIERS,
@@ -30,15 +35,18 @@ from relax.rewards._verifiers import (
 )
 
 __all__ = [
+    "STANDARD_KEYS",
     "VERIFIERS",
     "BuildContext",
     "FailureKind",
     "OptionError",
     "RewardResult",
     "RewardSet",
+    "Sample",
     "Verifier",
     "build_verifier",
     "extract_answer",
+    "json_fields",
     "load_function",
     "normalize_answer",
     "parse_last_number",

@@ -1,9 +1,12 @@
 """``RewardSet``: the configured reward functions, run together with failure isolation.
 
-The contract the reward role relies on: ``score`` never raises and never hangs much past the
-slowest function's timeout. Any function that raises, overruns its timeout, or returns something
-that is not a finite real number makes the whole sample *failed* (``ok=False``) with a readable
-reason, so the caller drops it and the trainer never trains on a half-scored sample.
+The contract the reward role relies on: ``score`` and ``score_batch`` never raise and never
+hang much past the slowest function's timeout. Any function that raises, overruns its timeout,
+or returns something that is not a finite real number (or a dict of them) makes the whole
+sample *failed* (``ok=False``) with a readable reason, so the caller drops it and the trainer
+never trains on a half-scored sample. A batched function's call covers the whole batch: if it
+raises or overruns, every sample of the batch fails; one bad score in its list fails only
+that sample.
 """
 
 from __future__ import annotations
@@ -11,14 +14,16 @@ from __future__ import annotations
 import asyncio
 import math
 import numbers
+import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from relax.config import RewardConfig
 from relax.errors import ConfigError, ConfigIssue
+from relax.rewards._sample import Sample
 from relax.rewards._verifiers import BuildContext, OptionError, Verifier, build_verifier
 
 FailureKind = Literal["error", "timeout", "invalid"]
@@ -34,20 +39,29 @@ class RewardResult:
     reward: float | None
     """Weighted sum of the components; None when not ``ok`` (a None fails loudly if misused)."""
     components: dict[str, float] = field(default_factory=dict)
-    """Unweighted score of each function that succeeded, by name."""
+    """Unweighted score of each function that succeeded, by name; a function that returned a
+    dict gives one entry per key, named ``"<function>/<key>"``."""
     reason: str | None = None
     """Why the sample failed, e.g. ``"regex 'fmt': timed out after 2.0s"``; ``; ``-joined."""
     failures: dict[str, FailureKind] = field(default_factory=dict)
     """Kind of failure of each function that failed, by name."""
+    errors: dict[str, BaseException] = field(default_factory=dict, repr=False, compare=False)
+    """The exception each function that raised raised (with its traceback), by name."""
 
 
 class _Failure(Exception):
-    """Internal: one call failed; carries the kind and the human-readable detail."""
+    """Internal: one call failed; carries the kind, the human-readable detail and, when the
+    function raised, its exception."""
 
-    def __init__(self, kind: FailureKind, detail: str) -> None:
+    def __init__(self, kind: FailureKind, detail: str, error: BaseException | None = None) -> None:
         super().__init__(detail)
         self.kind: FailureKind = kind
         self.detail = detail
+        self.error = error
+
+
+Score = float | dict[str, float]
+"""What one function gave one sample: a score, or named component scores."""
 
 
 @dataclass
@@ -116,29 +130,56 @@ class RewardSet:
         self, response_text: str, sample: Mapping[str, Any], *, response_tokens: int | None = None
     ) -> RewardResult:
         """Score one response. Never raises (except cancellation of the caller itself)."""
-        outcomes = await asyncio.gather(
-            *(self._run(v, response_text, sample, response_tokens) for v in self.verifiers)
-        )
+        one = Sample.of(response_text, sample, response_tokens)
+        return (await self.score_batch([one]))[0]
+
+    async def score_batch(self, samples: Sequence[Sample]) -> list[RewardResult]:
+        """Score many samples at once: a batched function is called once with all of them,
+        the others once per sample, all concurrently. Never raises (but cancellation)."""
+        samples = list(samples)
+        if not samples:
+            return []
+        outcomes = await asyncio.gather(*(self._run_all(v, samples) for v in self.verifiers))
+        return [self._combine([per[i] for per in outcomes]) for i in range(len(samples))]
+
+    def _combine(self, outcomes: list[Score | _Failure]) -> RewardResult:
         components: dict[str, float] = {}
         failures: dict[str, FailureKind] = {}
+        errors: dict[str, BaseException] = {}
         reasons: list[str] = []
+        total = 0.0
         for verifier, outcome in zip(self.verifiers, outcomes, strict=True):
             if isinstance(outcome, _Failure):
                 failures[verifier.name] = outcome.kind
                 reasons.append(f"{verifier.kind} {verifier.name!r}: {outcome.detail}")
+                if outcome.error is not None:
+                    errors[verifier.name] = outcome.error
+            elif isinstance(outcome, dict):
+                for key, value in outcome.items():
+                    components[f"{verifier.name}/{key}"] = value
+                    # Plain arithmetic, not fsum: overflow yields inf, caught below.
+                    total += verifier.weight * verifier.component_weights.get(key, 1.0) * value
             else:
                 components[verifier.name] = outcome
+                total += verifier.weight * outcome
         self._samples += 1
         if failures:
             self._failed_samples += 1
-            return RewardResult(False, None, components, "; ".join(reasons), failures)
-        # Plain sum, not fsum: fsum raises OverflowError where this yields inf, caught below.
-        total = sum(v.weight * components[v.name] for v in self.verifiers)
+            return RewardResult(False, None, components, "; ".join(reasons), failures, errors)
         if not math.isfinite(total):  # huge finite scores times weights can still overflow
             self._failed_samples += 1
             reason = f"weighted sum {total} is not finite"
             return RewardResult(False, None, components, reason, {})
         return RewardResult(True, total, components)
+
+    async def _run_all(self, verifier: Verifier, samples: list[Sample]) -> list[Score | _Failure]:
+        if verifier.batched:
+            return await self._run_batch(verifier, samples)
+        return list(
+            await asyncio.gather(
+                *(self._run(verifier, s.response, s, s.response_tokens) for s in samples)
+            )
+        )
 
     async def _run(
         self,
@@ -146,58 +187,77 @@ class RewardSet:
         response: str,
         sample: Mapping[str, Any],
         response_tokens: int | None,
-    ) -> float | _Failure:
-        stats = self._stats[verifier.name]
+    ) -> Score | _Failure:
+        outcome: Score | _Failure
         start = time.perf_counter()
         try:
-            raw = await self._call(verifier, response, sample, response_tokens)
-            elapsed = time.perf_counter() - start
-            # An inline call (or an async one that blocked the loop) cannot be interrupted;
-            # if it overran anyway, its answer came too late to trust the deadline contract.
-            if elapsed > verifier.timeout:
-                raise _Failure("timeout", _timed_out(verifier.timeout))
-            outcome: float | _Failure = _as_score(raw)
+            raw = await self._call(verifier, lambda: verifier(response, sample, response_tokens))
+            _check_deadline(verifier, start)
+            outcome = _as_scores(raw)
         except _Failure as failure:
             outcome = failure
         except asyncio.CancelledError:
             raise  # our caller is being cancelled: not this verifier's fault
         except Exception as exc:
-            outcome = _Failure("error", f"raised {type(exc).__name__}: {exc}")
-        elapsed = time.perf_counter() - start
-        stats.calls += 1
-        stats.total_latency_s += elapsed
-        stats.max_latency_s = max(stats.max_latency_s, elapsed)
-        if isinstance(outcome, _Failure):
-            stats.failures[outcome.kind] = stats.failures.get(outcome.kind, 0) + 1
+            outcome = _raised(exc)
+        self._count(verifier, start, [outcome])
         return outcome
 
-    async def _call(
-        self,
-        verifier: Verifier,
-        response: str,
-        sample: Mapping[str, Any],
-        response_tokens: int | None,
-    ) -> Any:
+    async def _run_batch(self, verifier: Verifier, samples: list[Sample]) -> list[Score | _Failure]:
+        """One call for the whole batch; its list must have one score per sample."""
+        outcomes: list[Score | _Failure]
+        start = time.perf_counter()
+        responses = [s.response for s in samples]
+        try:
+            raw = await self._call(verifier, lambda: verifier.score_batch(responses, samples))
+            _check_deadline(verifier, start)
+            if hasattr(raw, "tolist") and not isinstance(raw, (list, tuple)):
+                raw = raw.tolist()  # a tensor or array of scores
+            if not isinstance(raw, (list, tuple)):
+                what = type(raw).__name__
+                raise _Failure("invalid", f"returned a {what}, not a list of {len(samples)} scores")
+            if len(raw) != len(samples):
+                raise _Failure("invalid", f"returned {len(raw)} scores for {len(samples)} samples")
+            outcomes = []
+            for value in raw:
+                try:
+                    outcomes.append(_as_scores(value))
+                except _Failure as failure:
+                    outcomes.append(failure)
+        except _Failure as failure:
+            outcomes = [failure] * len(samples)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            outcomes = [_raised(exc)] * len(samples)
+        self._count(verifier, start, outcomes)
+        return outcomes
+
+    def _count(self, verifier: Verifier, start: float, outcomes: list[Score | _Failure]) -> None:
+        stats = self._stats[verifier.name]
+        elapsed = time.perf_counter() - start
+        stats.calls += len(outcomes)
+        stats.total_latency_s += elapsed * len(outcomes)
+        stats.max_latency_s = max(stats.max_latency_s, elapsed)
+        for outcome in outcomes:
+            if isinstance(outcome, _Failure):
+                stats.failures[outcome.kind] = stats.failures.get(outcome.kind, 0) + 1
+
+    async def _call(self, verifier: Verifier, call: Callable[[], Any]) -> Any:
         if verifier.mode == "inline":
-            return verifier(response, sample, response_tokens)
+            return call()
         deadline = time.perf_counter() + verifier.timeout
         if verifier.mode == "thread":
-            result = await self._in_thread(verifier, response, sample, response_tokens)
+            result = await self._in_thread(verifier, call)
         else:
-            result = verifier(response, sample, response_tokens)
+            result = call()
         # A sync function may hand back an awaitable (a partial of an async function): await it
         # on the loop with whatever time is left.
         if hasattr(result, "__await__"):
             result = await _await_within(result, deadline - time.perf_counter(), verifier.timeout)
         return result
 
-    async def _in_thread(
-        self,
-        verifier: Verifier,
-        response: str,
-        sample: Mapping[str, Any],
-        response_tokens: int | None,
-    ) -> Any:
+    async def _in_thread(self, verifier: Verifier, call: Callable[[], Any]) -> Any:
         """Run a blocking call in its own daemon thread, waiting at most the timeout.
 
         Python cannot kill a thread. One that overruns is *abandoned*: it keeps running until its
@@ -219,7 +279,7 @@ class RewardSet:
 
         def work() -> None:
             try:
-                value = verifier(response, sample, response_tokens)
+                value = call()
             except BaseException as exc:  # delivered to the loop, never lost in the thread
                 outcome = (False, exc)
             else:
@@ -270,6 +330,29 @@ def _timed_out(timeout: float) -> str:
     return f"timed out after {timeout}s"
 
 
+def _check_deadline(verifier: Verifier, start: float) -> None:
+    # An inline call (or an async one that blocked the loop) cannot be interrupted; if it
+    # overran anyway, its answer came too late to trust the deadline contract.
+    if time.perf_counter() - start > verifier.timeout:
+        raise _Failure("timeout", _timed_out(verifier.timeout))
+
+
+def _raised(exc: Exception) -> _Failure:
+    return _Failure("error", f"raised {type(exc).__name__}: {exc}", _from_user_frame(exc))
+
+
+_OWN_FRAMES = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(asyncio.__file__))
+
+
+def _from_user_frame(exc: Exception) -> Exception:
+    """``exc`` with its traceback starting at the first frame outside this package and asyncio
+    (the user's function): the traceback a user is shown is theirs, not our plumbing."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_OWN_FRAMES):
+        tb = tb.tb_next
+    return exc.with_traceback(tb) if tb is not None else exc
+
+
 async def _await_within(awaitable: Any, remaining: float, timeout: float) -> Any:
     """Await with a hard deadline, even for a coroutine that swallows its cancellation.
 
@@ -284,6 +367,23 @@ async def _await_within(awaitable: Any, remaining: float, timeout: float) -> Any
     # Retrieve its eventual exception so asyncio does not log "exception never retrieved".
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
     raise _Failure("timeout", _timed_out(timeout))
+
+
+def _as_scores(value: Any) -> Score:
+    """A score, or a dict of named scores (non-empty, str keys), each a finite float."""
+    if not isinstance(value, Mapping):
+        return _as_score(value)
+    if not value:
+        raise _Failure("invalid", "returned an empty dict, not named scores")
+    scores: dict[str, float] = {}
+    for key, item in value.items():
+        if not isinstance(key, str) or not key:
+            raise _Failure("invalid", f"returned a dict with key {key!r}: names must be strings")
+        try:
+            scores[key] = _as_score(item)
+        except _Failure as failure:
+            raise _Failure("invalid", f"component {key!r} {failure.detail}") from None
+    return scores
 
 
 def _as_score(value: Any) -> float:

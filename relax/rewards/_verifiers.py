@@ -12,6 +12,11 @@ statistics around it — so a verifier is just the scoring logic and may raise f
 - ``"thread"``: a synchronous user function that may block (I/O, a sandbox); run in a thread.
 - ``"async"``: a coroutine function; awaited on the loop and cancelled at its timeout.
 
+A verifier may also be *batched* (``batched = True``): ``RewardSet`` then calls
+``score_batch(responses, samples)`` once for the whole batch instead of once per sample. A score
+is a real number, or a dict of named real numbers (components, each weighed by the function's
+``components`` table and logged on its own).
+
 Kinds register with ``@register_verifier("kind")``. Options are checked when the set is built,
 so a typo in ``options`` fails before anything starts.
 """
@@ -29,19 +34,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from relax.config import RewardFunctionConfig
+from relax.errors import OptionError
 from relax.rewards._http import HttpError, post_json
 from relax.rewards._parse import extract_answer, normalize_answer, parse_last_number
+from relax.rewards._sample import Sample
 
 Mode = Literal["inline", "thread", "async"]
-
-
-class OptionError(Exception):
-    """A bad ``options`` entry (or target) of one function; ``key`` is the option's name."""
-
-    def __init__(self, key: str | None, message: str) -> None:
-        super().__init__(message)
-        self.key = key
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -62,11 +60,14 @@ class Verifier:
     options_allowed: ClassVar[frozenset[str] | None] = frozenset()
     """Option names this kind accepts; None accepts anything (user functions get them all)."""
     mode: Mode = "inline"
+    batched: bool = False
+    """Scores a whole batch per call (``score_batch``) rather than one sample (``__call__``)."""
 
     def __init__(self, config: RewardFunctionConfig, context: BuildContext) -> None:
         self.name = config.name
         self.weight = float(config.weight)
         self.timeout = float(config.timeout)
+        self.component_weights: dict[str, float] = dict(config.components)
         self.options: dict[str, Any] = dict(config.options)
         if self.options_allowed is not None:
             for key in self.options:
@@ -78,6 +79,10 @@ class Verifier:
         self, response: str, sample: Mapping[str, Any], response_tokens: int | None
     ) -> Any:
         """The score (a real number); may return an awaitable when ``mode`` is "async"."""
+        raise NotImplementedError
+
+    def score_batch(self, responses: list[str], samples: list[Sample]) -> Any:
+        """For a ``batched`` verifier: one score per sample, in order (or an awaitable)."""
         raise NotImplementedError
 
     def _option(self, key: str, kind: type | tuple[type, ...], default: Any) -> Any:
@@ -203,6 +208,78 @@ class Numeric(_AnswerVerifier):
         return 1.0 if close else 0.0
 
 
+@register_verifier("math")
+class MathVerify(Verifier):
+    """1.0 if the response's final answer equals the reference as mathematics, else 0.0.
+
+    Uses math-verify (Hugging Face's checker, the one TRL and veRL use): both sides are parsed
+    from LaTeX or plain expressions (``\\boxed{}`` answers first, ``$...$``, fractions,
+    decimals, sets, intervals, equations) and compared symbolically, so ``\\boxed{0.5}``
+    answers ``$\\frac{1}{2}$``. A reference without ``$`` or ``\\boxed`` is read as if boxed.
+    A response with no parsable answer scores 0.0; a reference that does not parse fails the
+    sample (the data's fault). Runs in a thread, under ``timeout`` (math-verify's own
+    signal-based timeouts only work in the main thread and are off). Options: ``answer_key``,
+    ``float_rounding`` (decimal places numbers are compared at, default 6), ``strict`` (default
+    true: e.g. a variable name must match too).
+    """
+
+    options_allowed = frozenset({"answer_key", "float_rounding", "strict"})
+    mode = "thread"
+
+    def __init__(self, config: RewardFunctionConfig, context: BuildContext) -> None:
+        super().__init__(config, context)
+        try:
+            import math_verify
+        except ImportError:
+            raise OptionError(
+                None, "kind \"math\" needs the math-verify package: pip install 'relax-rl[math]'"
+            ) from None
+        _quiet_math_verify()
+        self._parse, self._verify = math_verify.parse, math_verify.verify
+        self.answer_key: str = self._option("answer_key", str, context.answer_key)
+        self.float_rounding: int = self._option("float_rounding", int, 6)
+        self.strict: bool = self._option("strict", bool, True)
+
+    def __call__(
+        self, response: str, sample: Mapping[str, Any], response_tokens: int | None
+    ) -> float:
+        if self.answer_key not in sample or sample[self.answer_key] is None:
+            raise KeyError(f"sample has no reference answer {self.answer_key!r}")
+        reference = str(sample[self.answer_key]).strip()
+        if "$" not in reference and "\\boxed" not in reference:
+            reference = "\\boxed{" + reference + "}"
+        gold = self._parse(reference, parsing_timeout=None)
+        if not gold:
+            raise ValueError(f"reference answer {sample[self.answer_key]!r} does not parse")
+        answer = self._parse(response, parsing_timeout=None)
+        if not answer:
+            return 0.0
+        ok = self._verify(
+            gold,
+            answer,
+            float_rounding=self.float_rounding,
+            strict=self.strict,
+            timeout_seconds=None,
+        )
+        return 1.0 if ok else 0.0
+
+
+def _quiet_math_verify() -> None:
+    """Drop math-verify's per-call "Timeout is disabled" warning: we run it under our own
+    timeout, so the warning would repeat on every sample and say nothing."""
+    import logging
+
+    for name in ("math_verify.parser", "math_verify.grader"):
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _NoTimeoutWarning) for f in target.filters):
+            target.addFilter(_NoTimeoutWarning())
+
+
+class _NoTimeoutWarning:
+    def filter(self, record: Any) -> bool:
+        return not str(record.msg).startswith("Timeout is disabled")
+
+
 # --------------------------------------------------------------------------- format and length
 
 _FLAGS = {
@@ -299,12 +376,16 @@ def _is_async(fn: Any) -> bool:
 
 @register_verifier("python")
 class PythonFunction(Verifier):
-    """A user's function ``fn(response_text, sample_dict, **options) -> float``, sync or async.
+    """A user's reward function, imported from ``target`` ("package.module:function").
 
-    Imported from ``target`` ("package.module:function") when the set is built, so a wrong path
-    fails at startup. Sync functions run in a thread (they may block); async ones on the loop.
-    The function gets its own shallow copy of the sample, so concurrent functions cannot see
-    each other's edits.
+    Called as ``fn(response, sample, **options)`` with the response text and a ``Sample`` (a
+    read-only mapping too: ``sample["answer"]`` works as before), or — ``batched = true`` —
+    as ``fn(responses, samples, **options)`` with lists, once per batch, returning a list of
+    the same length. It returns a number, or a dict of named numbers (components). Sync
+    functions run in a thread (they may block), async ones on the loop. It is imported, and
+    its signature checked against these calls, when the set is built, so a wrong path or a
+    function that cannot take them fails at startup. Each call gets its own copy of the
+    sample's containers, so concurrent functions cannot see each other's edits.
     """
 
     options_allowed = None
@@ -313,12 +394,32 @@ class PythonFunction(Verifier):
         super().__init__(config, context)
         assert config.target is not None
         self.fn = load_function(config.target)
+        self.batched = config.batched
         self.mode = "async" if _is_async(self.fn) else "thread"
+        _check_signature(self.fn, config.target, self.batched, self.options)
 
     def __call__(
         self, response: str, sample: Mapping[str, Any], response_tokens: int | None
     ) -> Any:
-        return self.fn(response, dict(sample), **self.options)
+        return self.fn(
+            response, Sample.of(response, sample, response_tokens).copy(), **self.options
+        )
+
+    def score_batch(self, responses: list[str], samples: list[Sample]) -> Any:
+        return self.fn(list(responses), [s.copy() for s in samples], **self.options)
+
+
+def _check_signature(fn: Any, target: str, batched: bool, options: Mapping[str, Any]) -> None:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin or C callable without a signature: find out at the first call
+    try:
+        signature.bind(None, None, **options)
+    except TypeError as exc:
+        call = "fn(responses, samples" if batched else "fn(response, sample"
+        call += ", **options)" if options else ")"
+        raise OptionError("target", f"{target!r} cannot be called as {call}: {exc}") from None
 
 
 def load_function(target: str) -> Callable[..., Any]:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from typing import Any
 
-from relax.bus import BusClient
+from relax.bus import Batch, BusClient, column_problem
 from relax.config import ClusterConfig
-from relax.errors import BusError
+from relax.errors import BusError, ColumnConflict
 from relax.media import mm_from_wire
 
 
@@ -67,8 +68,52 @@ async def write_once(bus: BusClient, items: list[tuple[str, dict[str, Any]]]) ->
     differ in the last bit. Any other refusal (a row gone from the bus) is an error.
     """
     errors = await bus.add_columns_many(items)
-    already = [e for e in errors if e is not None and e.startswith("ColumnConflict")]
-    other = [e for e in errors if e is not None and not e.startswith("ColumnConflict")]
+    already = [e for e in errors if isinstance(e, ColumnConflict)]
+    other = [e for e in errors if e is not None and not isinstance(e, ColumnConflict)]
     if other:
-        raise BusError(f"{len(other)} column writes refused, e.g. {other[0]}")
+        first = other[0]
+        raise BusError(
+            f"{len(other)} column writes refused, e.g. {type(first).__name__}: {first}"
+        ) from first
     return len(already)
+
+
+BAD_COLUMNS = "bad_columns"
+"""The drop reason of a taken row whose columns break the bus's declared types (the bus counts
+it as ``dropped_bad_columns``)."""
+
+
+async def without_poisoned(bus: BusClient, batch: Batch, log: Any) -> Batch:
+    """``batch`` less its poisoned rows: rows whose columns break ``relax.bus.SCHEMA`` (a
+    string ``response_ids``, ``reward = "high"``, a NaN reward: rows an older bus let in, as
+    today's bus refuses them at the put). They are dropped on the bus now, with their groups,
+    for the reason ``bad_columns`` (counted), and logged; the rest of the batch is returned,
+    in place. One bad sample never stops a run."""
+    bad = {}
+    for row in batch.rows:
+        found = column_problem(row.get("columns"))
+        if found is not None:
+            bad[row["uid"]] = f"column {found[0]!r} {found[1]}"
+    if not bad:
+        return batch
+    for uid, problem in bad.items():
+        log.warning("dropped a row with bad columns, and its group", uid=uid, problem=problem)
+    poisoned = [r for r in batch.rows if r["uid"] in bad]
+    await bus.release(dataclasses.replace(batch, rows=poisoned), drop=BAD_COLUMNS)
+    groups = {r["group"] for r in poisoned}  # the bus dropped their other members too
+    batch.rows = [r for r in batch.rows if r["group"] not in groups]
+    return batch
+
+
+def well_formed(rows: list[dict[str, Any]], log: Any) -> list[dict[str, Any]]:
+    """``rows`` a producer is about to put, less the groups holding a row the bus would refuse
+    (an environment's NaN reward, say): those are logged and left out, so one bad sample costs
+    its group rather than a crash-looping producer (a retried prompt would fail the same way)."""
+    bad: dict[str, str] = {}
+    for row in rows:
+        found = column_problem(row.get("columns", {}))
+        if found is not None:
+            bad[str(row.get("group"))] = f"{row.get('uid')!r}: column {found[0]!r} {found[1]}"
+    for group, problem in bad.items():
+        log.warning("left out a group with a bad row", group=group, problem=problem)
+    return [r for r in rows if str(r.get("group")) not in bad] if bad else rows

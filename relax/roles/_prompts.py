@@ -18,6 +18,7 @@ from relax.agents import prompt_ids as agent_prompt_ids
 from relax.agents import render
 from relax.errors import ConfigError
 from relax.media import MediaError, has_media, process_prompt
+from relax.rewards import json_fields
 
 
 def arithmetic_task(seed: int = 0, *, max_operand: int = 9) -> Iterator[dict[str, Any]]:
@@ -100,6 +101,8 @@ def file_prompts(
                 "id": str(record.get("id", f"{Path(path).stem}-{index}")),
                 "prompt": anchored(record[prompt_key], Path(path).resolve().parent),
                 "answer": "" if answer is None else str(answer),
+                # The row's own fields, JSON-typed, for reward functions (relax.rewards.Sample).
+                "fields": json_fields(record, skip=(prompt_key,)),
             }
         )
     if not items:
@@ -150,6 +153,16 @@ def prompt_row(
     """
     prompt = item["prompt"]
     columns: dict[str, Any] = {"answer": item["answer"]}
+    # What reward functions see besides the response: the row's other fields (a file's record,
+    # a generator's item) with their JSON types, and the chat messages of a conversation.
+    fields = item.get("fields")
+    columns["fields"] = (
+        json_fields(fields)
+        if isinstance(fields, dict)
+        else json_fields(item, skip=("id", "prompt"))
+    )
+    if isinstance(prompt, list):
+        columns["messages"] = plain_messages(prompt)
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         columns["text"] = prompt
@@ -171,3 +184,21 @@ def prompt_row(
         return None
     columns["prompt_ids"] = list(ids)
     return {"uid": item["id"], "group": item["id"], "version": 0, "columns": columns}
+
+
+def plain_messages(prompt: list[Any]) -> list[Any]:
+    """Chat messages as small plain data: inline media (bytes, arrays) become ``"<bytes>"``;
+    paths and text stay (the processed media travel separately, as ``mm_inputs``)."""
+
+    def plain(value: Any, depth: int) -> Any:
+        if isinstance(value, (bytes, bytearray, memoryview)) or hasattr(value, "tolist"):
+            return "<bytes>"
+        if depth < 16 and isinstance(value, dict):
+            return {str(k): plain(v, depth + 1) for k, v in value.items()}
+        if depth < 16 and isinstance(value, (list, tuple)):
+            return [plain(v, depth + 1) for v in value]
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        return str(value)
+
+    return plain(prompt, 0)

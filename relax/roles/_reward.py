@@ -1,23 +1,184 @@
 """The reward role: scores generated samples; a sample whose reward fails is dropped, with its
-group, and never trained on."""
+group, and never trained on.
+
+Each reward function gets the whole sample (``relax.rewards.Sample``: response text and ids,
+prompt text and messages, the dataset row's fields, uid, group); a batched one gets the whole
+batch the role took (``[reward] batch_size``). Named component scores are written with the
+reward as ``reward_components`` (the trainer logs their means).
+
+A circuit breaker: a reward that fails group after group is broken, not unlucky. After
+``[reward] max_failed_groups`` failed groups in a row the role raises ``RewardFailing`` (from
+the function's last exception, so the user sees their own traceback), which stops the run
+(``Unrecoverable``: no restart). Until then, repeated identical warnings are rate-limited.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from relax.actors import Actor
 from relax.engines import load_tokenizer
-from relax.rewards import RewardResult, RewardSet
-from relax.roles._common import as_list, cluster_config, connect_bus
+from relax.errors import RewardFailing
+from relax.rewards import RewardResult, RewardSet, Sample
+from relax.roles._common import as_list, cluster_config, connect_bus, without_poisoned
+
+REWARD_INPUTS = ("prompt_ids", "prompt_text", "messages", "fields")
+"""Optional sample-row columns a reward sample is built from (see ``_rollout.PROMPT_FOR_REWARD``),
+besides the required ``response_ids`` and ``answer``."""
 
 
-async def score_sample(
-    rewards: RewardSet, tokenizer: Any, response_ids: list[int], answer: Any
-) -> RewardResult:
-    """Score one generated response against its prompt's reference answer."""
-    text = tokenizer.decode(response_ids, skip_special_tokens=True)
-    return await rewards.score(text, {"answer": answer}, response_tokens=len(response_ids))
+def reward_sample(row: Mapping[str, Any], tokenizer: Any, answer_key: str = "answer") -> Sample:
+    """The ``Sample`` a reward function sees for one sample-bus row."""
+    cols = row["columns"]
+    ids = as_list(cols["response_ids"])
+    fields = cols.get("fields")
+    fields = dict(fields) if isinstance(fields, Mapping) else {}
+    # The reference with its JSON type when the row has it (a dict answer is a dict); the
+    # string form the dataset always puts on the row otherwise.
+    answer = fields.get(answer_key)
+    if answer is None:
+        answer = cols.get("answer")
+    prompt_ids = cols.get("prompt_ids")
+    return Sample(
+        response=tokenizer.decode(ids, skip_special_tokens=True),
+        answer=answer,
+        fields=fields,
+        prompt=cols.get("prompt_text") or "",
+        messages=cols.get("messages"),
+        prompt_ids=[] if prompt_ids is None else as_list(prompt_ids),
+        response_ids=ids,
+        response_tokens=len(ids),
+        uid=str(row.get("uid", "")),
+        group=str(row.get("group", "")),
+    )
+
+
+async def score_rows(
+    rewards: RewardSet,
+    tokenizer: Any,
+    rows: Sequence[Mapping[str, Any]],
+    answer_key: str = "answer",
+) -> list[RewardResult]:
+    """Score sample-bus rows together (batched functions get them in one call)."""
+    return await rewards.score_batch([reward_sample(r, tokenizer, answer_key) for r in rows])
+
+
+def reward_columns(result: RewardResult) -> dict[str, Any]:
+    """The columns a scored sample gets: ``reward`` and its named ``reward_components``."""
+    assert result.ok and result.reward is not None
+    return {"reward": float(result.reward), "reward_components": dict(result.components)}
+
+
+def component_metrics(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """``reward/<component>``: the mean of each named reward component over the rows that
+    have it (what the trainer logs per step beside ``reward_mean``)."""
+    sums: dict[str, list[float]] = {}
+    for row in rows:
+        parts = row.get("columns", {}).get("reward_components")
+        if not isinstance(parts, Mapping):
+            continue
+        for name, value in parts.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                total = sums.setdefault(str(name), [0.0, 0])
+                total[0] += float(value)
+                total[1] += 1
+    return {f"reward/{name}": total / count for name, (total, count) in sorted(sums.items())}
+
+
+class WarningThrottle:
+    """Rate-limits a flood of warnings: each distinct ``key`` is logged the first time, then
+    at most once per ``interval`` seconds with ``repeated`` (how many were held back); at most
+    ``burst`` distinct new keys are logged per interval, the rest counted and reported with
+    the next one that is logged (``not_logged``)."""
+
+    def __init__(
+        self,
+        log: Any,
+        *,
+        interval: float = 30.0,
+        burst: int = 10,
+        max_keys: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.log, self.interval, self.burst, self.max_keys = log, interval, burst, max_keys
+        self.clock = clock
+        self._seen: dict[str, list[float]] = {}  # key -> [last logged at, held back since]
+        self._window, self._new_in_window, self._unlogged = -math.inf, 0, 0
+
+    def warning(self, key: str, event: str, **fields: Any) -> bool:
+        """Log ``event`` unless held back; True when it was logged."""
+        now = self.clock()
+        if now - self._window >= self.interval:
+            self._window, self._new_in_window = now, 0
+        entry = self._seen.get(key)
+        if entry is None:
+            if self._new_in_window >= self.burst:
+                self._unlogged += 1
+                return False
+            self._new_in_window += 1
+            if len(self._seen) >= self.max_keys:
+                self._seen.pop(next(iter(self._seen)))
+            self._seen[key] = [now, 0]
+            self._emit(event, fields)
+            return True
+        if now - entry[0] < self.interval:
+            entry[1] += 1
+            return False
+        fields["repeated"] = int(entry[1])
+        entry[:] = [now, 0]
+        self._emit(event, fields)
+        return True
+
+    def _emit(self, event: str, fields: dict[str, Any]) -> None:
+        if self._unlogged:
+            fields["not_logged"], self._unlogged = self._unlogged, 0
+        self.log.warning(event, **fields)
+
+
+class CircuitBreaker:
+    """Counts consecutive failed groups; ``trip`` says when there were ``limit`` of them (a
+    limit of 0 never trips). A group fails when any of its samples' reward failed; a group
+    scored whole resets the count."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_a_row = 0
+        self.last: tuple[str, RewardResult] | None = None  # (uid, result) of the last failure
+
+    def record(self, rows: Sequence[Mapping[str, Any]], results: Sequence[RewardResult]) -> None:
+        failed: dict[str, tuple[str, RewardResult] | None] = {}
+        for row, result in zip(rows, results, strict=True):
+            if not result.ok:
+                failed[row["group"]] = (row["uid"], result)
+            else:
+                failed.setdefault(row["group"], None)
+        for failure in failed.values():  # groups in the order they came
+            if failure is None:
+                self.in_a_row = 0
+            else:
+                self.in_a_row += 1
+                self.last = failure
+
+    @property
+    def tripped(self) -> bool:
+        return self.limit > 0 and self.in_a_row >= self.limit
+
+    def error(self) -> RewardFailing:
+        """The error that stops the run, raised from the function's last exception."""
+        assert self.last is not None
+        uid, result = self.last
+        exc = RewardFailing(
+            f"the reward failed for {self.in_a_row} groups in a row"
+            f" (reward.max_failed_groups = {self.limit}), so the run stops; the last failure"
+            f" (sample {uid}): {result.reason}",
+            failed_groups=self.in_a_row,
+        )
+        cause = next(iter(result.errors.values()), None)
+        exc.__cause__ = cause
+        return exc
 
 
 class RewardRole(Actor):
@@ -25,9 +186,14 @@ class RewardRole(Actor):
         self.cfg = cluster_config(config)
         self.samples_url, self.model_dir = samples_url, model_dir
         self.failed = 0
+        self.breaker = CircuitBreaker(self.cfg.reward.max_failed_groups)
 
     def statistics(self) -> dict[str, Any]:
-        return {"failed": self.failed, **self.rewards.statistics()}
+        return {
+            "failed": self.failed,
+            "failed_groups_in_a_row": self.breaker.in_a_row,
+            **self.rewards.statistics(),
+        }
 
     async def on_start(self) -> None:
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -38,33 +204,32 @@ class RewardRole(Actor):
         )
 
     async def run(self) -> None:
+        throttle = WarningThrottle(self.log)
+        answer_key = self.cfg.data.answer_key
         async with await connect_bus(
             self.samples_url, self.cfg, f"reward-{self.context.rank}"
         ) as bus:
             while True:
                 async with bus.take(
-                    "reward", batch_size=64, columns=["response_ids", "answer"], wait=1.0
+                    "reward",
+                    batch_size=self.cfg.reward.batch_size,
+                    columns=["response_ids", "answer"],
+                    optional=list(REWARD_INPUTS),
+                    wait=1.0,
                 ) as batch:
-                    # The batch is scored concurrently (slow verifiers overlap) and written back
-                    # in one request.
-                    results = await asyncio.gather(
-                        *(
-                            score_sample(
-                                self.rewards,
-                                self.tokenizer,
-                                as_list(row["columns"]["response_ids"]),
-                                row["columns"]["answer"],
-                            )
-                            for row in batch.rows
-                        )
-                    )
+                    await without_poisoned(bus, batch, self.log)  # e.g. a string response_ids
+                    # The batch is scored concurrently (slow verifiers overlap, a batched one
+                    # gets it whole) and written back in one request.
+                    results = await score_rows(self.rewards, self.tokenizer, batch.rows, answer_key)
+                    self.breaker.record(batch.rows, results)
                     scored = []
                     for row, result in zip(batch.rows, results, strict=True):
                         if result.ok:
-                            scored.append((row["uid"], {"reward": float(result.reward)}))
+                            scored.append((row["uid"], reward_columns(result)))
                             continue
                         self.failed += 1
-                        self.log.warning(
+                        throttle.warning(
+                            str(result.reason),
                             "reward failed; the sample's group is dropped",
                             uid=row["uid"],
                             group=row["group"],
@@ -75,4 +240,10 @@ class RewardRole(Actor):
                     refused = await bus.add_columns_many(scored)
                     for (uid, _), error in zip(scored, refused, strict=True):
                         if error is not None:  # e.g. its group was dropped meanwhile
-                            self.log.info("reward not written", uid=uid, error=error)
+                            self.log.info(
+                                "reward not written",
+                                uid=uid,
+                                error=f"{type(error).__name__}: {error}",
+                            )
+                if self.breaker.tripped:  # after the batch's drops and rewards are on the bus
+                    raise self.breaker.error()

@@ -21,6 +21,11 @@ endpoint and submit finished sessions (``POST /relax/v1/sessions/{id}/finish``),
 rows. Episodes and endpoint calls share one ``Sampler``, so concurrent turns batch together.
 Each replica serving the endpoint writes its URL and API key to
 ``RUN_DIR/endpoints/<replica>.json`` (readable only by the user).
+
+Pause: the control endpoint's pause state lives in ``RUN_DIR/paused`` (``PAUSE_FILE``),
+written before the rollouts are told and removed before they are told to resume, so a rollout
+restarted at any moment reads the state the control endpoint reports (``on_start``) and a
+restarted paused rollout generates nothing until ``resume``.
 """
 
 from __future__ import annotations
@@ -49,8 +54,40 @@ from relax.engines import (
     stop_token_ids,
 )
 from relax.media import mm_from_wire
-from relax.roles._common import as_list, cluster_config, connect_bus, prompt_seed
+from relax.roles._common import (
+    as_list,
+    cluster_config,
+    connect_bus,
+    prompt_seed,
+    well_formed,
+    without_poisoned,
+)
 from relax.roles._episodes import env_rows, program_rows
+
+PAUSE_FILE = "paused"
+"""A run folder's pause flag: present while generation is paused (see the module docstring)."""
+
+
+def pause_requested(run_dir: str | Path | None) -> bool:
+    """Whether the run in ``run_dir`` is paused (its ``PAUSE_FILE`` exists)."""
+    return run_dir is not None and (Path(run_dir) / PAUSE_FILE).exists()
+
+
+def set_pause_requested(run_dir: str | Path, paused: bool) -> None:
+    """Record the run's pause state where a restarted rollout reads it."""
+    path = Path(run_dir) / PAUSE_FILE
+    if not paused:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_name(PAUSE_FILE + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"paused": True}, f)
+    tmp.replace(path)
+
+
+PROMPT_FOR_REWARD = {"text": "prompt_text", "messages": "messages", "fields": "fields"}
+"""Prompt-row columns copied onto each sample row (as named here) for the reward role."""
 
 
 async def generate_groups(
@@ -131,6 +168,9 @@ class RolloutRole(Actor):
         self._idle.set()
 
     async def on_start(self) -> None:
+        # A restart while paused comes back paused: the control endpoint still says so.
+        if pause_requested(self.run_dir):
+            self._unpaused.clear()
         # In a worker thread: starting vLLM takes seconds, and heartbeats must keep flowing.
         self.engine = await asyncio.to_thread(
             open_engine, self.cfg.rollout, self.model_dir, self.cfg.model.dtype
@@ -170,6 +210,10 @@ class RolloutRole(Actor):
         """Take prompts again after ``pause``."""
         self._unpaused.set()
         return False
+
+    def paused(self) -> bool:
+        """Whether this rollout is paused (takes no prompts)."""
+        return not self._unpaused.is_set()
 
     def statistics(self) -> dict[str, Any]:
         """The engine's counters (requests, tokens, weight loads, interrupted loads, …), and
@@ -316,7 +360,7 @@ class RolloutRole(Actor):
         cfg, engine = self.cfg, self.engine
         assert engine is not None
         batch = await prompts.take_batch("rollout", batch_size=cfg.rollout.batch_size, wait=1.0)
-        if not batch.rows:
+        if not (await without_poisoned(prompts, batch, self.log)).rows:  # e.g. str prompt_ids
             return
         admitted = []
         for row in batch.rows:
@@ -359,7 +403,7 @@ class RolloutRole(Actor):
             self._count(trajs)
         else:
             rows = await self._single_rows(admitted, n, stops)
-        await samples.put(rows, wait=3600)
+        await samples.put(well_formed(rows, self.log), wait=3600)
         await prompts.ack(replace(batch, rows=admitted))
 
     async def _single_rows(
@@ -381,6 +425,10 @@ class RolloutRole(Actor):
                 }
                 if "mm_inputs" in row["columns"]:  # the same processed media, for training
                     columns["mm_inputs"] = row["columns"]["mm_inputs"]
+                # What the reward function sees of the prompt (relax.rewards.Sample).
+                for source, name in PROMPT_FOR_REWARD.items():
+                    if source in row["columns"]:
+                        columns[name] = row["columns"][source]
                 if g.token_versions is not None:
                     columns["token_versions"] = list(g.token_versions)
                 rows.append(

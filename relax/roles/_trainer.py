@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import os
 import shutil
 import threading
 import time
@@ -31,7 +32,8 @@ from relax.actors import Actor
 from relax.config import ClusterConfig
 from relax.engines import load_policy, pad_token_id
 from relax.observe import MetricsFanout, build_sinks
-from relax.roles._common import cluster_config, connect_bus, training_row
+from relax.roles._common import cluster_config, connect_bus, training_row, without_poisoned
+from relax.roles._reward import component_metrics
 from relax.training import StepResult, make_backend
 from relax.transport import dumps, loads
 
@@ -57,7 +59,14 @@ def train_columns(cfg: ClusterConfig) -> tuple[str, ...]:
     return tuple(columns)
 
 
-OPTIONAL_COLUMNS = ("loss_mask", "turns", "episode_end", "success", "mm_inputs")
+OPTIONAL_COLUMNS = (
+    "loss_mask",
+    "turns",
+    "episode_end",
+    "success",
+    "mm_inputs",
+    "reward_components",
+)
 """Columns some rows have (multi-turn episodes, media prompts): taken when present."""
 
 
@@ -85,6 +94,14 @@ def episode_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+LEDGER = "trainer-ledger.jsonl"
+"""The trainer's own record, in the run folder, of which rows each step consumed: one JSON line
+per step, ``{"step", "applied", "items": [[uid, attempt], ...]}``, made durable before the step
+is published (or, skipped, acked). On a restart the lines of applied steps above the published
+version are removed (that update never happened), so the file is the lineage of the final
+weights: audits check it against the bus log (``tests/e2e/audit.py``)."""
+
+
 def _checkpoint_name(version: int) -> str:
     return f"step-{version:08d}"
 
@@ -97,6 +114,7 @@ class TrainerRole(Actor):
         self.samples_url, self.model_dir = samples_url, model_dir
         self.run_dir = Path(run_dir)
         self.metrics_file = self.run_dir / "metrics.jsonl"
+        self.ledger_file = self.run_dir / LEDGER
         self.history: list[dict[str, Any]] = []
         self._sinks: MetricsFanout | None = None  # [logging]'s sinks, built at the first record
         self._lock = threading.Lock()  # one backend operation at a time, across threads
@@ -256,6 +274,13 @@ class TrainerRole(Actor):
         ) as batch:
             if not batch.rows:
                 return
+            if len(await without_poisoned(bus, batch, self.log)) < size:
+                # A poisoned group (e.g. reward = "high") was dropped: the rest of the batch
+                # goes back, to be taken again with other groups.
+                if batch.rows:
+                    await bus.release(batch)
+                batch.rows = []
+                return
             self._holding_rows = True
             # A fixed order (group, then uid) makes a step independent of the order
             # rows reached the bus: the same samples always give the same update.
@@ -283,9 +308,13 @@ class TrainerRole(Actor):
                 "wall_s": time.monotonic() - started,
                 "time": time.time(),  # when the step ended (Unix seconds), for rates and plots
                 **episode_metrics(batch.rows),
+                **component_metrics(batch.rows),  # reward/<component> means
                 **result.metrics,
             }
             self._record(record)
+            # Before the publish (or the skipped step's ack): a kill after it leaves a line that
+            # the restart reconciles against the published version.
+            await asyncio.to_thread(self._ledger, self.backend.version, result.applied, batch.items)
             batch.skipped_step = not result.applied
             if not result.applied:
                 self.log.warning(
@@ -301,13 +330,32 @@ class TrainerRole(Actor):
                 if every and self.backend.version % every == 0:
                     await self._together("checkpoint")
 
+    def _ledger(self, step: int, applied: bool, items: list[list[Any]]) -> None:
+        line = json.dumps({"step": step, "applied": applied, "items": items})
+        with open(self.ledger_file, "a") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
     def _forget_unpublished_steps(self) -> None:
         """Drop records of applied steps above the published version: a trainer killed between
         recording a step and publishing it left a record of an update that never happened (its
-        rows went back to the bus and are trained again)."""
-        if not self.metrics_file.exists():
-            return
-        lines = self.metrics_file.read_text().splitlines()
+        rows went back to the bus and are trained again). Both the ledger and the metrics."""
+        dropped = self._forget_unpublished_in(self.ledger_file)
+        if dropped:
+            self.log.warning("dropped ledger lines of unpublished steps", dropped=dropped)
+        dropped = self._forget_unpublished_in(self.metrics_file)
+        if dropped:
+            self.log.warning("dropped records of unpublished steps", dropped=dropped)
+            self.history = [r for r in self.history if r.get("step", 0) <= self._published]
+
+    def _forget_unpublished_in(self, path: Path) -> int:
+        """Rewrite the JSON-lines file ``path`` without applied steps above the published
+        version (and without a line torn by a kill); returns the lines dropped."""
+        if not path.exists():
+            return 0
+        text = path.read_text()
+        lines = text.splitlines()
         keep = []
         for line in lines:
             try:
@@ -316,12 +364,14 @@ class TrainerRole(Actor):
                 continue  # a line torn by the kill
             if not (record.get("applied") and record.get("step", 0) > self._published):
                 keep.append(line)
-        if len(keep) != len(lines):
-            tmp = self.metrics_file.with_suffix(".tmp")
-            tmp.write_text("".join(line + "\n" for line in keep))
-            tmp.replace(self.metrics_file)
-            self.log.warning("dropped records of unpublished steps", dropped=len(lines) - len(keep))
-            self.history = [r for r in self.history if r.get("step", 0) <= self._published]
+        if len(keep) != len(lines) or (text and not text.endswith("\n")):
+            tmp = path.with_suffix(".tmp")
+            with open(tmp, "w") as f:
+                f.write("".join(line + "\n" for line in keep))
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(path)
+        return len(lines) - len(keep)
 
     # ------------------------------------------------------------------ gang operations
 

@@ -36,7 +36,6 @@ import json
 import logging
 import math
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -62,19 +61,13 @@ _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 # --------------------------------------------------------------------------- the world
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def init_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
     """Join (or reuse) the default torch.distributed group; returns ``(rank, world_size)``.
 
     An existing default group is reused as it is (a launcher or an earlier backend made it).
     Otherwise a world of more than one rank meets through the ``env://`` rendezvous
     (``MASTER_ADDR``/``MASTER_PORT``, as a gang's members have them), and a single rank makes
-    its own one-member gloo group on a free loopback port: no launcher and no environment
+    its own one-member group on an in-process store (no port): no launcher and no environment
     variables needed. DeepSpeed insists on ``LOCAL_RANK``; it is set only when missing.
     """
     if dist.is_initialized():
@@ -99,9 +92,11 @@ def init_world(rank: int | None = None, world_size: int | None = None) -> tuple[
             timeout=COLLECTIVE_TIMEOUT,
         )
     else:
+        # A world of one meets nobody: an in-process store, no port to pick (picking a free
+        # port, closing it and binding it again races with every other process).
         dist.init_process_group(
             backend,
-            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            store=dist.HashStore(),
             rank=0,
             world_size=1,
             timeout=COLLECTIVE_TIMEOUT,

@@ -21,7 +21,7 @@ from typing import Any
 
 import pynng
 
-from relax.errors import TransportError
+from relax.errors import Closed, TransportError
 
 ffi, lib = pynng.ffi, pynng.lib
 
@@ -29,10 +29,6 @@ _SEND, _RECV = 1, 2
 _live: set[Channel] = set()
 """Open channels. NNG calls back into a channel's cffi callback until it is closed, so a channel
 must never be garbage collected while open (that would free the callback under NNG's feet)."""
-
-
-class Closed(TransportError):
-    """Our own socket or context was closed (the endpoint is shutting down)."""
 
 
 def _error(rv: int, what: str) -> TransportError:

@@ -26,12 +26,25 @@ class Limits:
     """Encoded messages above this travel as several frames (chunks) and are reassembled."""
     max_message_bytes: int = 256 << 20
     """Encoded messages above this raise ``relax.errors.MessageTooLarge`` at the sending side."""
+    max_partials_per_connection: int = 16
+    """Requests one connection may have half-uploaded (several frames, not all in) at once; a
+    server refuses to start another (``TransportError``, code ``busy``)."""
+    max_partials: int = 256
+    """Half-uploaded requests a server holds at once, over all its connections."""
+    max_partial_bytes: int = 1 << 30
+    """Bytes a server holds in half-uploaded requests, over all connections (never less than
+    one ``max_message_bytes`` message). A buffer grows as its bytes arrive, never by the size
+    a first frame announces; a part that would go past this is refused and its upload
+    dropped."""
 
     def __post_init__(self) -> None:
         if self.frame_bytes < 1024:
             raise ValueError(f"frame_bytes must be at least 1024, got {self.frame_bytes}")
         if self.max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be positive, got {self.max_message_bytes}")
+        for name in ("max_partials_per_connection", "max_partials", "max_partial_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 DEFAULT_LIMITS = Limits()
@@ -85,7 +98,8 @@ class Server(_AsyncClosing, abc.ABC):
         ``bad_frames`` malformed frames dropped, ``in_flight`` handlers running now,
         ``clients`` client sessions known. NNG servers add ``duplicates`` (resends answered
         from the dedup state), ``frames_in``/``frames_out``, ``partials`` (uploads being
-        reassembled), ``partials_dropped`` and ``connections``.
+        reassembled), ``partial_bytes`` (bytes they hold), ``partials_dropped``,
+        ``partials_refused`` (over a ``Limits`` cap) and ``connections``.
         """
 
     @abc.abstractmethod

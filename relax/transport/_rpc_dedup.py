@@ -103,12 +103,15 @@ class Session:
 
 
 class Partial:
-    """A request arriving in several frames, reassembled in one buffer."""
+    """A request arriving in several frames, reassembled in one buffer that grows as its
+    bytes arrive (``total`` is only what the sender announced: memory is not taken on its
+    word)."""
 
-    __slots__ = ("buf", "pipe", "received", "touched")
+    __slots__ = ("buf", "pipe", "received", "total", "touched")
 
     def __init__(self, total: int, pipe: int) -> None:
-        self.buf = bytearray(total)
+        self.buf = bytearray()
+        self.total = total
         self.received = 0
         self.pipe = pipe
         self.touched = time.monotonic()

@@ -28,7 +28,7 @@ from typing import Any
 import msgpack
 import pynng
 
-from relax.errors import TransportError
+from relax.errors import BadFrame
 from relax.transport._rpc_aio import new_message
 from relax.transport._wire import dumps_parts
 
@@ -53,6 +53,7 @@ GONE = "gone"  # the server holds no reply for this request: send the request ag
 EVICTED = "evicted"  # the reply was handled but dropped from the dedup cache
 STALE = "stale"  # the request was abandoned by its client (below its acknowledged floor)
 TOO_LARGE = "too_large"  # the request exceeds the server's max_message_bytes
+BUSY = "busy"  # the server holds as many partial uploads (or bytes of them) as its limits allow
 BAD = "bad"  # the frame is malformed
 
 _N = type(None)
@@ -69,10 +70,6 @@ _SCHEMA: dict[int, tuple[Any, ...]] = {
     CHUNK: (int,),
     REFUSED: (str, str),
 }
-
-
-class BadFrame(TransportError):
-    """A frame that is not ours or is damaged."""
 
 
 Parts = Sequence[bytes | memoryview]

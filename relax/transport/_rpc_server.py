@@ -16,7 +16,10 @@ are forgotten.
 
 Requests larger than a frame are reassembled in ``_rpc_dedup.Partial`` buffers, handed to the
 handler only when complete, and dropped when their connection goes away or after
-``partial_timeout`` seconds without a new part.
+``partial_timeout`` seconds without a new part. A buffer grows as bytes arrive (the size a
+first frame announces is not memory), and ``Limits`` caps how many uploads one connection and
+the whole server may hold half-received, and their bytes: what goes past a cap is refused
+(``busy``) and its upload dropped.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from relax.transport._rpc_frames import (
     ACK,
     AUTH,
     BAD,
+    BUSY,
     CHALLENGE,
     CHUNK,
     EVICTED,
@@ -102,6 +106,7 @@ class NngServer(Server):
         self._addresses: dict[int, str] = {}
         self._sessions: dict[bytes, Session] = {}
         self._partials: dict[tuple[bytes, int], Partial] = {}
+        self._partial_bytes = 0  # bytes held in `_partials`' buffers
         self._in_flight = 0
         self._closed = False
         self.partial_timeout = 30.0
@@ -121,6 +126,7 @@ class NngServer(Server):
                 "auth_failures",
                 "bad_frames",
                 "partials_dropped",
+                "partials_refused",
             ),
             0,
         )
@@ -168,6 +174,7 @@ class NngServer(Server):
             "clients": len(self._sessions),
             "connections": len(self._sock.pipes) if self._sock is not None else 0,
             "partials": len(self._partials),
+            "partial_bytes": self._partial_bytes,
         }
 
     def _spawn(self, coro: Any) -> None:
@@ -197,8 +204,7 @@ class NngServer(Server):
         self._addresses.pop(pipe_id, None)
         # A half-received message is never handed over: its sender is gone.
         for key in [k for k, p in self._partials.items() if p.pipe == pipe_id]:
-            del self._partials[key]
-            self._stats["partials_dropped"] += 1
+            self._drop_partial(key)
 
     def _address(self, pipe_id: int, pipe: Any) -> str:
         address = self._addresses.get(pipe_id)
@@ -220,8 +226,7 @@ class NngServer(Server):
             for key in [
                 k for k, p in self._partials.items() if now - p.touched > self.partial_timeout
             ]:
-                del self._partials[key]
-                self._stats["partials_dropped"] += 1
+                self._drop_partial(key)
             for key in [
                 k
                 for k, s in self._sessions.items()
@@ -408,21 +413,40 @@ class NngServer(Server):
         key = (session, rid)
         if offset == 0 and n == total:  # the common case: one frame, decoded from NNG's buffer
             body: Any = data
-            self._partials.pop(key, None)
+            self._drop_partial(key, dropped=False)
         else:
             part = self._partials.get(key)
             if offset == 0:
+                self._drop_partial(key, dropped=False)  # the client starts it over
+                refusal = self._partial_refusal(pipe_id)
+                if refusal is not None:
+                    self._stats["partials_refused"] += 1
+                    await self._refuse(ch, BUSY, refusal)
+                    return False
                 part = self._partials[key] = Partial(total, pipe_id)
-            elif part is None or len(part.buf) != total or offset > part.received:
+            elif part is None or part.total != total or offset > part.received:
                 await self._refuse(ch, RESTART, "no partial upload here; send from offset 0")
                 return False
+            grow = max(0, offset + n - len(part.buf))
+            if grow and self._partial_bytes + grow > self._partial_byte_cap():
+                self._drop_partial(key)
+                self._stats["partials_refused"] += 1
+                await self._refuse(
+                    ch,
+                    BUSY,
+                    f"the server holds {self._partial_bytes} bytes of partial uploads "
+                    f"(max_partial_bytes={self._partial_byte_cap()}); send it again later",
+                )
+                return False
+            # Grows the buffer by what arrived (a resent part overwrites in place).
             part.buf[offset : offset + n] = data
+            self._partial_bytes += grow
             part.received = max(part.received, offset + n)
             part.touched, part.pipe = time.monotonic(), pipe_id
             if part.received < total:
                 await self._send(ch, [ACK])
                 return False
-            del self._partials[key]
+            self._drop_partial(key, dropped=False)
             body = part.buf
         del data
         sess.inflight[rid] = None  # a future is made only if a duplicate comes to wait
@@ -433,6 +457,34 @@ class NngServer(Server):
         reply = await self._handle(sess, rid, body, peer)
         await self._result(ch, reply, max_chunk)
         return False
+
+    def _partial_byte_cap(self) -> int:
+        return max(self._limits.max_partial_bytes, self._limits.max_message_bytes)
+
+    def _partial_refusal(self, pipe_id: int) -> str | None:
+        """Why a new partial upload on ``pipe_id`` may not start, or ``None``."""
+        limits = self._limits
+        if len(self._partials) >= limits.max_partials:
+            return (
+                f"the server holds {len(self._partials)} partial uploads "
+                f"(max_partials={limits.max_partials}); send it again later"
+            )
+        mine = sum(1 for p in self._partials.values() if p.pipe == pipe_id)
+        if mine >= limits.max_partials_per_connection:
+            return (
+                f"this connection has {mine} partial uploads in progress "
+                f"(max_partials_per_connection={limits.max_partials_per_connection}); "
+                "finish one first"
+            )
+        return None
+
+    def _drop_partial(self, key: tuple[bytes, int], *, dropped: bool = True) -> None:
+        """Forget a partial upload (complete, restarted, or ``dropped``: counted)."""
+        part = self._partials.pop(key, None)
+        if part is not None:
+            self._partial_bytes -= len(part.buf)
+            if dropped:
+                self._stats["partials_dropped"] += 1
 
     async def _handle(self, sess: Session, rid: int, body: Any, peer: Peer) -> Reply:
         """Run the handler on a complete request; record and return its reply."""

@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
+import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -339,6 +342,19 @@ async def test_stop_strings(client: openai.AsyncOpenAI, policy: tuple[Any, Any])
     )
     assert stopped.choices[0].message.content == text[: text.index(text[-1])]
     assert stopped.choices[0].finish_reason == "stop"
+    # Streamed, the stop string never goes out, not even its first half.
+    stream = await client.completions.create(
+        max_tokens=16, stop=[stop, "\x7f\x7f\x7f"], stream=True, **kwargs
+    )
+    pieces = [c.choices[0] async for c in stream]
+    assert "".join(p.text for p in pieces) == first
+    assert pieces[-1].finish_reason == "stop"
+    assert extra(pieces[-1], "token_ids") == ids[: j + len(stop)]
+    stream = await client.chat.completions.create(
+        model="policy", messages=USER, temperature=0, max_tokens=16, stop=text[-1], stream=True
+    )
+    deltas = [c.choices[0] async for c in stream]
+    assert "".join(d.delta.content or "" for d in deltas) == text[: text.index(text[-1])]
 
 
 async def test_max_tokens_ends_with_length(client: openai.AsyncOpenAI) -> None:
@@ -357,6 +373,13 @@ async def test_max_tokens_ends_with_length(client: openai.AsyncOpenAI) -> None:
     assert len(extra(newer.choices[0], "token_ids")) <= 2
 
 
+def distributions(model: Any, prompt: list[int], ids: list[int], temperature: float) -> Any:
+    """log_softmax(logits / T) at each position of ``ids``, [len(ids), vocab]."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+    return (logits / temperature).log_softmax(-1)
+
+
 async def test_logprobs_are_the_sampling_policys(
     client: openai.AsyncOpenAI, policy: tuple[Any, Any]
 ) -> None:
@@ -371,10 +394,10 @@ async def test_logprobs_are_the_sampling_policys(
     expected = recompute(model, extra(reply, "prompt_token_ids"), ids, 0.7)
     assert values == pytest.approx(expected, abs=1e-4)
     assert [c.token for c in choice.logprobs.content] == [tokenizer.decode([t]) for t in ids]
-    assert all(c.top_logprobs == [] for c in choice.logprobs.content)
+    assert all(c.top_logprobs == [] for c in choice.logprobs.content)  # none asked for
 
     completion = await client.completions.create(
-        model="policy", prompt="Hello", max_tokens=6, logprobs=1, seed=2
+        model="policy", prompt="Hello", max_tokens=6, logprobs=0, seed=2
     )
     [choice] = completion.choices
     ids = extra(choice, "token_ids")
@@ -382,11 +405,66 @@ async def test_logprobs_are_the_sampling_policys(
     expected = recompute(model, tokenizer.encode("Hello"), ids, 1.0)
     assert choice.logprobs.token_logprobs == pytest.approx(expected, abs=1e-4)
     assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in ids]
-    assert choice.logprobs.top_logprobs == [
-        {tok: lp}
-        for tok, lp in zip(choice.logprobs.tokens, choice.logprobs.token_logprobs, strict=True)
-    ]
+    assert choice.logprobs.top_logprobs is None
     assert len(choice.logprobs.text_offset or []) == len(ids)
+
+
+async def test_top_logprobs_are_the_top_of_the_sampled_distribution(
+    client: openai.AsyncOpenAI, policy: tuple[Any, Any]
+) -> None:
+    model, tokenizer = policy
+    reply = await client.chat.completions.create(
+        model="policy",
+        messages=USER,
+        max_tokens=8,
+        temperature=0.7,
+        logprobs=True,
+        top_logprobs=4,
+        seed=2,
+    )
+    [choice] = reply.choices
+    ids = extra(choice, "token_ids")
+    logp = distributions(model, extra(reply, "prompt_token_ids"), ids, 0.7)
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    for t, entry in enumerate(choice.logprobs.content):
+        values, top_ids = logp[t].topk(4)
+        assert [c.logprob for c in entry.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
+        assert [c.token for c in entry.top_logprobs] == [tokenizer.decode([i]) for i in top_ids]
+        assert entry.logprob == pytest.approx(float(logp[t, ids[t]]), abs=1e-4)
+
+    completion = await client.completions.create(
+        model="policy", prompt="Hello", max_tokens=6, logprobs=3, seed=2
+    )
+    [choice] = completion.choices
+    ids = extra(choice, "token_ids")
+    logp = distributions(model, tokenizer.encode("Hello"), ids, 1.0)
+    assert choice.logprobs is not None and choice.logprobs.top_logprobs is not None
+    for t, got in enumerate(choice.logprobs.top_logprobs):
+        values, top_ids = logp[t].topk(3)
+        want: dict[str, float] = {}
+        for i, v in zip(top_ids.tolist(), values.tolist(), strict=True):
+            want.setdefault(tokenizer.decode([i]), v)
+        # OpenAI's shape: the top 3 and, always, the sampled token.
+        want.setdefault(tokenizer.decode([ids[t]]), float(logp[t, ids[t]]))
+        assert got.keys() == want.keys()
+        assert list(got.values()) == pytest.approx(list(want.values()), abs=1e-4)
+
+    # Streamed, the same numbers arrive piece by piece.
+    stream = await client.chat.completions.create(
+        model="policy",
+        messages=USER,
+        max_tokens=8,
+        temperature=0.7,
+        logprobs=True,
+        top_logprobs=4,
+        seed=2,
+        stream=True,
+    )
+    pieces = [c.choices[0].logprobs async for c in stream if c.choices]
+    streamed = [t for p in pieces if p is not None for t in p.content or []]
+    assert [[x.logprob for x in t.top_logprobs] for t in streamed] == [
+        [x.logprob for x in t.top_logprobs] for t in reply.choices[0].logprobs.content or []
+    ]
 
 
 async def test_temperature_zero_is_deterministic(client: openai.AsyncOpenAI) -> None:
@@ -412,6 +490,86 @@ async def test_concurrent_requests_are_batched_and_keep_their_seeds(
     alone = [await ask(seed) for seed in range(6)]
     assert together == alone
     assert server.statistics()["sampler"]["largest_batch"] > 1
+
+
+async def test_concurrent_streams_share_batches_and_each_gets_its_own_tokens(
+    policy: tuple[Any, Any],
+) -> None:
+    async with (
+        serve(hf_engine(policy), policy[1]) as server,
+        openai_client(f"{server.url}/v1") as client,
+    ):
+
+        async def streamed(seed: int) -> tuple[str, list[int]]:
+            stream = await client.chat.completions.create(
+                model="policy", messages=USER, max_tokens=24, seed=seed, n=2, stream=True
+            )
+            text, ids = ["", ""], [[], []]
+            async for chunk in stream:
+                for c in chunk.choices:
+                    text[c.index] += c.delta.content or ""
+                    if c.finish_reason:
+                        ids[c.index] = extra(c, "token_ids")
+            return text, ids
+
+        async def whole(seed: int) -> tuple[str, list[int]]:
+            reply = await client.chat.completions.create(
+                model="policy", messages=USER, max_tokens=24, seed=seed, n=2
+            )
+            return (
+                [c.message.content for c in reply.choices],
+                [extra(c, "token_ids") for c in reply.choices],
+            )
+
+        together = await asyncio.gather(*(streamed(seed) for seed in range(4)))
+        assert server.statistics()["sampler"]["largest_batch"] > 1  # streams batched together
+        assert together == [await whole(seed) for seed in range(4)]
+
+
+async def test_streaming_sends_tokens_as_they_are_sampled(policy: tuple[Any, Any]) -> None:
+    """The first chunk reaches the client while the engine is still decoding: the engine's
+    21st forward pass waits until the client has a chunk in hand (with chunks sent only after
+    the generation, it would wait forever: 30 s, then the test fails)."""
+    model, tokenizer = policy
+    end = [tokenizer.convert_tokens_to_ids(IM_END), *stop_token_ids(tokenizer)]
+    in_hand = threading.Event()
+    waited: list[bool] = []
+    forwards = [0]
+
+    def hold(module: Any, args: Any, output: Any) -> None:
+        forwards[0] += 1
+        if forwards[0] == 21:
+            waited.append(in_hand.wait(timeout=30))
+
+    async with (
+        serve(hf_engine(policy), tokenizer) as server,
+        openai_client(f"{server.url}/v1") as client,
+    ):
+        handle = model.register_forward_hook(hold)
+        try:
+            started = time.perf_counter()
+            stream = await client.chat.completions.create(
+                model="policy",
+                messages=USER,
+                max_tokens=311,
+                seed=1,
+                logit_bias={str(t): -100 for t in set(end)},  # no early stop: all 311 tokens
+                stream=True,
+            )
+            arrivals, text = [], ""
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    in_hand.set()
+                    arrivals.append(time.perf_counter() - started)
+                    text += chunk.choices[0].delta.content
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    ids = extra(chunk.choices[0], "token_ids")
+        finally:
+            handle.remove()
+    assert waited == [True]
+    assert len(ids) == 311 and text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert len(arrivals) > 100  # a piece per token or so, not one lump at the end
+    print(f"first chunk {arrivals[0]:.3f}s, last {arrivals[-1]:.3f}s, {len(arrivals)} chunks")
 
 
 # --------------------------------------------------------------------------- tool calls
@@ -642,10 +800,11 @@ async def test_bad_requests_are_openai_errors(
     body = await expect(bad, chat(**{**ok, "temperature": 5}), status=400, param="temperature")
     assert "temperature" in body["message"]
     await expect(bad, chat(**{**ok, "stop": ["a", "b", "c", "d", "e"]}), status=400, param="stop")
-    body = await expect(
-        bad, chat(**{**ok, "logprobs": True, "top_logprobs": 3}), status=400, param="top_logprobs"
+    body = await expect(bad, chat(**{**ok, "top_logprobs": 3}), status=400, param="top_logprobs")
+    assert "needs logprobs: true" in body["message"]
+    await expect(
+        bad, chat(**{**ok, "logprobs": True, "top_logprobs": 21}), status=400, param="top_logprobs"
     )
-    assert "not supported" in body["message"]
     body = await expect(
         bad,
         chat(**{**ok, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
@@ -767,3 +926,112 @@ async def test_a_disconnected_client_cancels_its_request(policy: tuple[Any, Any]
         engine.gate.set()
         reply = await client.chat.completions.create(model="policy", messages=USER)
         assert reply.choices[0].message.content == "on time"
+
+
+# --------------------------------------------------------------------------- never ignored
+
+
+async def test_fields_the_endpoint_cannot_honour_are_refused_by_name(
+    server: AgentServer, client: openai.AsyncOpenAI
+) -> None:
+    """Each of these used to be accepted and silently ignored: the reply looked fine and was
+    not what the caller asked for."""
+    chat = client.chat.completions.create
+    ok: dict[str, Any] = {"model": "policy", "messages": USER, "max_tokens": 2}
+    bad = openai.BadRequestError
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}):
+        body = await expect(
+            bad, chat(**ok, response_format=fmt), status=400, param="response_format"
+        )
+        assert body["code"] == "unsupported_parameter" and "text" in body["message"]
+    assert (await chat(**ok, response_format={"type": "text"})).choices  # text is what we do
+    await expect(
+        bad, chat(**ok, parallel_tool_calls=False), status=400, param="parallel_tool_calls"
+    )
+    await expect(bad, chat(**ok, modalities=["text", "audio"]), status=400, param="modalities")
+    await expect(bad, chat(**ok, reasoning_effort="high"), status=400, param="reasoning_effort")
+    # A field the endpoint does not know at all (a vLLM extension, a typo) is refused too.
+    for name in ("min_p", "repetition_penalty", "temprature"):
+        body = await expect(bad, chat(**ok, extra_body={name: 0.5}), status=400, param=name)
+        assert body["code"] == "unrecognized_parameter"
+    completions = client.completions.create
+    await expect(
+        bad, completions(model="policy", prompt="a", suffix="!"), status=400, param="suffix"
+    )
+    await expect(
+        bad, completions(model="policy", prompt="a", best_of=3), status=400, param="best_of"
+    )
+    # Out of OpenAI's ranges, or naming tokens that do not exist.
+    await expect(bad, chat(**ok, presence_penalty=2.5), status=400, param="presence_penalty")
+    await expect(bad, chat(**ok, frequency_penalty=-3), status=400, param="frequency_penalty")
+    await expect(bad, chat(**ok, logit_bias={"5": 101}), status=400, param="logit_bias")
+    await expect(bad, chat(**ok, logit_bias={"x": 1}), status=400, param="logit_bias")
+    await expect(bad, chat(**ok, logit_bias={"99999": 1}), status=400, param="logit_bias")
+    # Harmless bookkeeping fields are accepted.
+    assert (await chat(**ok, user="u", store=False, metadata={"a": "b"})).choices
+
+
+async def test_logit_bias_and_penalties_shape_what_is_sampled(
+    client: openai.AsyncOpenAI, policy: tuple[Any, Any]
+) -> None:
+    model, tokenizer = policy
+    a = tokenizer.encode("A")[0]
+    # A +100 bias all but forces "A": the reply and its recorded logprobs show it.
+    reply = await client.completions.create(
+        model="policy", prompt="Hello", max_tokens=5, seed=0, logit_bias={str(a): 100}, logprobs=0
+    )
+    [choice] = reply.choices
+    assert choice.text == "AAAAA"
+    assert all(lp > -1e-3 for lp in choice.logprobs.token_logprobs)  # type: ignore[union-attr]
+    # Penalties: the logprobs returned are of the penalised distribution (recomputed by hand:
+    # OpenAI's formula over the tokens sampled so far).
+    presence, frequency = 0.7, 1.1
+    reply = await client.completions.create(
+        model="policy",
+        prompt="Hello",
+        max_tokens=10,
+        seed=3,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        logprobs=0,
+    )
+    [choice] = reply.choices
+    ids = extra(choice, "token_ids")
+    prompt = tokenizer.encode("Hello")
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+    for t in range(len(ids)):
+        for token in set(ids[:t]):
+            logits[t, token] -= frequency * ids[:t].count(token) + presence
+    want = logits.log_softmax(-1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1).tolist()
+    assert choice.logprobs.token_logprobs == pytest.approx(want, abs=1e-4)  # type: ignore[union-attr]
+    # Without them, the same seed samples from another distribution (they were not ignored).
+    plain = await client.completions.create(
+        model="policy", prompt="Hello", max_tokens=10, seed=3, logprobs=0
+    )
+    assert plain.choices[0].logprobs.token_logprobs != choice.logprobs.token_logprobs  # type: ignore[union-attr]
+
+
+async def test_finish_refuses_a_reward_that_is_not_a_finite_number(
+    server: AgentServer, client: openai.AsyncOpenAI, finished: Finished
+) -> None:
+    """A NaN reward used to be stored (200), and then the trainer skipped the whole step it
+    landed in, valid groups included. Refused, it loses nothing: the session is still open and
+    a good reward finishes it."""
+    async with openai_client(server.session_url("nan")) as session_client:
+        await session_client.chat.completions.create(model="policy", messages=USER, max_tokens=3)
+    for reward in (math.nan, math.inf, -math.inf):  # json.dumps writes NaN, Infinity
+        status, body = await finish(server, "nan", reward=reward)
+        assert status == 400 and body["error"]["param"] == "reward", body
+        assert "finite number" in body["error"]["message"]
+    for reward in ("1.0", True, None, [1.0]):
+        status, body = await finish(server, "nan", reward=reward)
+        assert status == 400 and body["error"]["param"] == "reward", (reward, body)
+    for field, value in (("group_size", 0), ("group_size", "4"), ("choice", -1)):
+        status, body = await finish(server, "nan", reward=1.0, **{field: value})
+        assert status == 400 and body["error"]["param"] == field, (field, body)
+    assert finished.calls == []  # nothing was handed on
+    status, body = await finish(server, "nan", reward=1, group="g", group_size=2)
+    assert status == 200 and body["session"] == "nan"
+    [(_, trajectory, sent)] = finished.calls
+    assert trajectory.reward == 1.0 and sent["group_size"] == 2

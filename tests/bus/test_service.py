@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 
 import pytest
 import torch
@@ -242,3 +243,95 @@ async def test_compaction_deletes_dead_segments_and_recovery_still_matches(tmp_p
     assert before["log"]["segments"] == segments < 10  # 900+ records, most segments deleted
     assert after["counters"]["trained"] == before["counters"]["trained"] == 300
     assert after["rows"] == 1
+
+
+# ---------------------------------------------------------------------- checked at the door
+
+SECRET = "a secret for the door tests"
+
+
+def sample(uid: str, **columns) -> dict:
+    cols = {"prompt_ids": [1, 2], "response_ids": [3, 4], "logprobs": [-1.0, -1.0]}
+    return {"uid": uid, "group": uid, "version": 0, "columns": {**cols, **columns}}
+
+
+async def test_a_refused_put_leaves_nothing_live_or_logged(tmp_path) -> None:
+    """Over tcp:// with a secret: a put whose second row says version="abc" is refused as a
+    whole, and neither the live table nor the log (a restarted bus) has its first row."""
+    from relax.errors import BadRow
+    from tests.transport.rpc_helpers import free_port
+
+    url = f"tcp://127.0.0.1:{free_port()}"  # a fixed port: the restarted bus comes back on it
+    sup, url = await start_bus(tmp_path, url=url, secret=SECRET)
+    try:
+        async with await BusClient.connect(url, secret=SECRET) as bus:
+            with pytest.raises(BadRow, match="row 'second': version must be an integer") as e:
+                await bus.put([sample("first"), {**sample("second"), "version": "abc"}])
+            assert (e.value.uid, e.value.field) == ("second", "version")  # rebuilt as itself
+            assert (await bus.statistics())["rows"] == 0
+            await sup.restart_child("bus")
+            assert (await bus.statistics())["rows"] == 0  # the log agrees
+            assert await bus.put([sample("first")]) == 1
+    finally:
+        await sup.__aexit__(None, None, None)
+
+
+async def test_poisoned_columns_are_refused_naming_uid_and_column(tmp_path) -> None:
+    """The issue's repros, each refused at the door with the uid and the column."""
+    from relax.errors import BadColumn
+
+    sup, url = await start_bus(tmp_path, url="tcp://127.0.0.1:0", secret=SECRET)
+    prompts, prompts_url = await start_bus(
+        tmp_path / "prompts",
+        url="tcp://127.0.0.1:0",
+        secret=SECRET,
+        tasks=["rollout"],
+        trainer_task="rollout",
+    )
+    try:
+        async with (
+            await BusClient.connect(url, secret=SECRET) as bus,
+            await BusClient.connect(prompts_url, secret=SECRET) as prompt_bus,
+        ):
+            with pytest.raises(BadColumn, match="row 's': column 'response_ids' is a str"):
+                await bus.put([sample("s", response_ids="the answer is 4")])
+            with pytest.raises(BadColumn, match="row 'p': column 'prompt_ids' is a str"):
+                await prompt_bus.put(
+                    [{"uid": "p", "group": "p", "version": 0, "columns": {"prompt_ids": "2+2?"}}]
+                )
+            assert await bus.put([sample("a"), sample("b"), sample("c")]) == 3
+            with pytest.raises(BadColumn, match="row 'a': column 'reward' is a str"):
+                await bus.add_columns("a", {"reward": "high"})
+            refused = await bus.add_columns_many(
+                [("a", {"reward": 1.0}), ("b", {"reward": math.nan}), ("c", {"reward": 0.5})]
+            )
+            assert refused[0] is None and refused[2] is None
+            assert isinstance(refused[1], BadColumn) and refused[1].field == "reward"
+            assert "not finite" in str(refused[1])
+            async with bus.take("train", batch_size=8, columns=["reward"]) as batch:
+                assert sorted(r["uid"] for r in batch.rows) == ["a", "c"]  # b waits for one
+            assert (await prompt_bus.statistics())["rows"] == 0
+    finally:
+        await sup.__aexit__(None, None, None)
+        await prompts.__aexit__(None, None, None)
+
+
+async def test_the_trainer_is_not_blocked_by_a_group_that_does_not_fit(tmp_path) -> None:
+    from relax.errors import BadRow
+
+    sup, url = await start_bus(
+        tmp_path, url="tcp://127.0.0.1:0", secret=SECRET, tasks=["train"], batch_size=4
+    )
+    try:
+        async with await BusClient.connect(url, secret=SECRET) as bus:
+            with pytest.raises(BadRow, match=r"group of 8 rows can never fit .* batch of 4"):
+                await bus.put(rows("huge", 8))
+            await bus.put(rows("single", 1))
+            await bus.put(rows("pair1", 2))
+            await bus.put(rows("pair2", 2))
+            batch = await bus.take_batch(
+                "train", batch_size=4, min_rows=4, whole_groups=True, wait=2.0
+            )
+            assert sorted(r["group"] for r in batch.rows) == ["pair1"] * 2 + ["pair2"] * 2
+    finally:
+        await sup.__aexit__(None, None, None)

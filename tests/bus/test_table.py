@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from relax.bus._table import BusTable, ColumnConflict, UnknownTask
-from relax.errors import BusError
+from relax.errors import BadColumn, BadRow, BusError
 
 
 def rows(group: str, n: int, version: int = 0, **columns) -> list[dict]:
@@ -211,3 +214,170 @@ def test_per_token_versions_make_a_row_as_stale_as_its_oldest_token() -> None:
     assert t.rows["u"].version == 1
     t.set_version(3)  # floor 2: the row started under weights 1
     assert t.counters["dropped_stale"] == 1
+
+
+# ---------------------------------------------------------------------- checked at the door
+
+
+def good_row(uid: str = "ok", **columns) -> dict:
+    cols = {"prompt_ids": [1, 2], "response_ids": [3, 4, 5], "logprobs": [-0.5, -1.0, -2.0]}
+    return {"uid": uid, "group": uid, "version": 0, "columns": {**cols, **columns}}
+
+
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"version": "abc"}, "version"),
+        ({"group_size": "x"}, "group_size"),
+        ({"group_size": 0}, "group_size"),
+        ({"columns": [1, 2, 3]}, "columns"),  # a list where the columns should be
+        ({"uid": 7}, "uid"),
+        ({"group": None}, "group"),
+    ],
+)
+def test_a_refused_put_applies_none_of_its_rows(bad, field) -> None:
+    """The issue's repro: a put whose *second* row is malformed used to leave its first row in
+    the live table, never logged. Now the whole put is refused and the table is unchanged."""
+    t = table()
+    second = {**good_row("second"), **bad}
+    with pytest.raises(BadRow) as refused:
+        t.put([good_row("first"), second])
+    assert refused.value.field == field
+    assert not t.rows and not t.groups and t.counters == {}
+    assert t.put([good_row("first")])  # the good row alone goes in
+
+
+@pytest.mark.parametrize(
+    "columns, column, says",
+    [
+        ({"response_ids": "abc"}, "response_ids", "str, not a list of ints"),
+        ({"prompt_ids": "what is 2+2?"}, "prompt_ids", "str, not a list of ints"),
+        ({"reward": "high"}, "reward", "not a number"),
+        ({"reward": math.nan}, "reward", "not finite"),
+        ({"reward": -math.inf}, "reward", "not finite"),
+        ({"reward": [1.0]}, "reward", "list, not a number"),
+        ({"response_ids": [1, 2.5, 3]}, "response_ids", "holds a float"),
+        ({"response_ids": [[1], [2], [3]]}, "response_ids", "not a number"),
+        ({"logprobs": ["a", "b", "c"]}, "logprobs", "not a number"),
+        ({"logprobs": [-1.0]}, "logprobs", "1 entries but response_ids has 3"),
+        ({"response_ids": torch.zeros(3)}, "response_ids", "float32 tensor, not ints"),
+        ({"prompt_ids": torch.zeros(2, 2, dtype=torch.long)}, "prompt_ids", "not 1-D"),
+        ({"reward": torch.tensor(math.nan)}, "reward", "not finite"),
+        ({"turns": 1.5}, "turns", "not an int"),
+        ({"episode_end": 3}, "episode_end", "not a string"),
+    ],
+)
+def test_columns_are_checked_at_the_put(columns, column, says) -> None:
+    t = table()
+    with pytest.raises(BadColumn, match=f"row 'bad': column '{column}'") as refused:
+        t.put([good_row("first"), good_row("bad", **columns)])
+    assert (refused.value.uid, refused.value.field) == ("bad", column)
+    assert says in str(refused.value)
+    assert not t.rows
+
+
+def test_well_typed_and_user_columns_pass_in_every_wire_form() -> None:
+    from relax.transport import dumps, loads
+
+    tensors = {
+        "prompt_ids": torch.tensor([1, 2]),
+        "response_ids": torch.tensor([3, 4, 5], dtype=torch.int32),
+        "logprobs": torch.tensor([-0.5, -1.0, -2.0], dtype=torch.bfloat16),
+        "reward": torch.tensor(0.5),
+        "loss_mask": torch.tensor([True, True, False]),
+    }
+    raw = loads(dumps(tensors), raw_tensors=True)  # as the bus receives them over the wire
+    t = table()
+    t.put([good_row("lists", reward=1, success=1.0, turns=2, answer={"any": ["thing"]})])
+    t.put([{**good_row("torch"), "columns": tensors}])  # inproc:// hands tensors over as is
+    t.put([{**good_row("raw"), "columns": raw}])
+    t.put([good_row("mine", my_column="anything at all", scores=[[1, 2], "x"])])
+    assert sorted(t.rows) == ["lists", "mine", "raw", "torch"]
+
+
+def test_column_writes_are_checked_against_the_row() -> None:
+    t = table()
+    t.put([good_row("r")])
+    with pytest.raises(BadColumn, match="'reward' is a str"):
+        t.add_columns("r", {"reward": "high"})
+    with pytest.raises(BadColumn, match="'ref_logprobs' has 2 entries but response_ids has 3"):
+        t.add_columns("r", {"ref_logprobs": [-1.0, -1.0]})
+    with pytest.raises(BadRow, match="columns is a list"):
+        t.add_columns("r", [1.0])  # type: ignore[arg-type]
+    assert "reward" not in t.rows["r"].columns
+    assert t.add_columns("r", {"reward": 1.0, "ref_logprobs": [-1.0] * 3})
+
+
+def test_a_group_that_can_never_fit_a_batch_is_refused_at_the_put() -> None:
+    t = table(tasks=("train",), batch_size=4)
+    with pytest.raises(BadRow, match="group of 8 rows can never fit a training batch of 4"):
+        t.put(rows("huge", 8))
+    assert not t.rows
+    t.put(rows("g", 2))
+    with pytest.raises(BadRow, match="group_size 2"):  # a size that disagrees with its group
+        t.put([{**rows("g", 3)[2], "uid": "g-9"}])
+    with pytest.raises(BadRow, match="more rows than its group_size"):
+        t.put([{**rows("g", 2)[0], "uid": "g-extra"}])
+    assert sorted(t.rows) == ["g-0", "g-1"]
+
+
+def test_whole_groups_that_fit_are_found_behind_one_that_does_not() -> None:
+    """The issue's repro: a batch of 4, a group of 1 first, then groups of 2. The table used to
+    fill in arrival order and stop at the first group that did not fit, offering the same three
+    rows forever; now it leases the two groups of 2, and the single row waits for a partner."""
+    t = table(tasks=("train",), batch_size=4)
+    t.put(rows("single", 1))
+    t.put(rows("pair1", 2))
+    t.put(rows("pair2", 2))
+    _, lease = t.take("train", batch_size=4, min_rows=4, whole_groups=True)
+    assert lease is not None
+    assert sorted(lease.items) == ["pair1-0", "pair1-1", "pair2-0", "pair2-1"]
+    t.put(rows("pair3", 2))
+    t.put(rows("single2", 1))
+    _, lease = t.take("train", batch_size=4, min_rows=4, whole_groups=True)
+    assert lease is not None  # oldest first among what completes the batch
+    assert sorted(lease.items) == ["pair3-0", "pair3-1", "single-0", "single2-0"]
+
+
+def test_filling_a_batch_is_oldest_first_and_skips_what_does_not_fit() -> None:
+    t = table(tasks=("train",), batch_size=4)
+    for name, n in (("a", 3), ("b", 2), ("c", 2), ("d", 1)):
+        t.put(rows(name, n))
+    _, lease = t.take("train", batch_size=4, whole_groups=True)
+    assert lease is not None and sorted(lease.items) == ["a-0", "a-1", "a-2", "d-0"]
+    t2 = table(tasks=("train",), batch_size=4)
+    for name, n in (("a", 3), ("b", 2), ("c", 2)):
+        t2.put(rows(name, n))
+    assert t2.take("train", batch_size=4, min_rows=4, whole_groups=True)[1] is not None
+    t3 = table(tasks=("train",), batch_size=4)
+    for name, n in (("a", 3), ("b", 3)):
+        t3.put(rows(name, n))
+    assert t3.take("train", batch_size=4, min_rows=4, whole_groups=True)[1] is None  # no fill
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 4), max_size=8),
+    batch=st.integers(1, 8),
+    min_share=st.floats(0, 1),
+)
+def test_whole_groups_fill_a_batch_whenever_some_selection_can(sizes, batch, min_share) -> None:
+    """Against brute force: a take of whole groups is granted exactly when some set of the
+    waiting groups holds between ``min_rows`` and ``batch_size`` rows."""
+    import itertools as it
+
+    min_rows = max(1, round(min_share * batch))
+    t = table(tasks=("train",), batch_size=8)
+    for g, n in enumerate(sizes):
+        t.put(rows(f"g{g}", n))
+    possible = any(
+        min_rows <= sum(pick) <= batch
+        for k in range(len(sizes) + 1)
+        for pick in it.combinations(sizes, k)
+    )
+    _, lease = t.take("train", batch_size=batch, min_rows=min_rows, whole_groups=True)
+    assert (lease is not None) == possible
+    if lease is not None:
+        assert min_rows <= len(lease.items) <= batch
+        leased = Counter(uid.rsplit("-", 1)[0] for uid in lease.items)
+        assert all(n == sizes[int(g[1:])] for g, n in leased.items())  # whole groups only

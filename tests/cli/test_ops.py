@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -262,17 +263,57 @@ def test_init_writes_each_recipe_and_they_validate(tmp_path) -> None:
 
 def test_init_defaults_and_refuses_to_overwrite(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    first = invoke("init")
-    assert first.exit_code == 0 and "recipe quickstart" in first.stdout
+    first = invoke("init")  # the default recipe is the one that learns (test_default_recipe_learns)
+    assert first.exit_code == 0 and "recipe digits" in first.stdout
     target = tmp_path / "cluster.toml"
+    assert "examples/digits" in target.read_text()
     target.write_text("# mine\n")
-    again = invoke("init", "digits")
+    again = invoke("init", "quickstart")
     assert again.exit_code == 1 and "--force" in again.stderr
     assert target.read_text() == "# mine\n"
-    forced = invoke("init", "digits", "--force")
-    assert forced.exit_code == 0 and "examples/digits" in target.read_text()
+    forced = invoke("init", "quickstart", "--force")
+    assert forced.exit_code == 0 and "examples/quickstart" in target.read_text()
     unknown = invoke("init", "nope")
     assert unknown.exit_code == 2 and "quickstart" in unknown.stderr and "grpo_kl" in unknown.stderr
+    listed = invoke("init", "--list").stdout
+    assert re.search(r"^  digits +\(default\) ", listed, re.M), listed
+    assert re.search(r"^  quickstart .*does not learn", listed, re.M), listed
+
+
+def test_init_copies_the_files_a_recipe_imports_and_they_import_from_there(
+    tmp_path, monkeypatch
+) -> None:
+    from relax.cli._init import examples_dir
+    from relax.preflight import load_checked
+
+    source = examples_dir() / "openai_agent"
+    out = tmp_path / "mine" / "cluster.toml"
+    result = invoke("init", "openai_agent", "--output", out)
+    assert result.exit_code == 0, result.output
+    assert f"wrote {out.parent / 'agent.py'}" in result.stdout
+    assert (out.parent / "agent.py").read_bytes() == (source / "agent.py").read_bytes()
+    # From another working folder, with the repository off sys.path: the program imports
+    # from the config's own folder (what `No module named 'examples'` used to break).
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    repo = str(Path(__file__).resolve().parents[2])
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", repo)])
+    monkeypatch.delitem(sys.modules, "agent", raising=False)
+    cfg = load_checked(out)
+    assert cfg.rollout.agent.program == "agent:solve"
+    assert sys.modules["agent"].__file__ == str(out.parent / "agent.py")
+    monkeypatch.delitem(sys.modules, "agent")
+
+    # A companion already there is not overwritten without --force (nor is anything else).
+    (out.parent / "agent.py").write_text("# my agent\n")
+    out.unlink()
+    again = invoke("init", "openai_agent", "--output", out)
+    assert again.exit_code == 1 and "agent.py already exists" in again.stderr
+    assert not out.exists() and (out.parent / "agent.py").read_text() == "# my agent\n"
+    forced = invoke("init", "openai_agent", "--output", out, "--force")
+    assert forced.exit_code == 0
+    assert (out.parent / "agent.py").read_bytes() == (source / "agent.py").read_bytes()
 
 
 def test_init_recipes_can_come_from_elsewhere(tmp_path, monkeypatch) -> None:

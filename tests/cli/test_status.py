@@ -12,19 +12,25 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from textual.geometry import Region
 from textual.widgets import DataTable, Static
+from typer.testing import CliRunner
 
 from relax import cluster
+from relax.cli import app as relax_app
 from relax.cli._tui import StatusApp
+from relax.cli._tui_widgets import Confirm
 from relax.config import parse_config
-from relax.control import CONTROL_FILE, control_request
+from relax.control import CONTROL_FILE, control_request, read_metrics
 from tests.actors.helpers import find, wait_until
 from tests.tiny import tiny_toml
 
@@ -83,6 +89,21 @@ async def test_status_json_against_a_running_cluster(run_dir: Path) -> None:
 
 
 @pytest.mark.slow
+async def test_status_into_a_pipe_prints_one_plain_snapshot_and_exits(run_dir: Path) -> None:
+    # stdout is a pipe here: no dashboard (it would never exit), no escape codes.
+    code, out, err = await _relax("status", "--run-dir", str(run_dir))
+    assert code == 0, err
+    assert "\x1b" not in out
+    lines = out.splitlines()
+    assert lines[0].startswith("cluster st · run folder ")
+    assert re.search(r"^trainer version [1-9]\d* · step \d+ · reward ", out, re.M), out
+    for role in ROLES - {"prompts", "samples"}:
+        assert re.search(rf"^  {role} +running ", out, re.M), (role, out)
+    assert re.search(r"^bus samples +rows \d+/\d+", out, re.M), out
+    assert re.search(r"^  task train: pending \d+", out, re.M), out
+
+
+@pytest.mark.slow
 async def test_dashboard_shows_crashes_restarts_pause_and_stop(run_dir: Path) -> None:
     app = StatusApp(run_dir, interval=0.2)
     async with app.run_test(size=(150, 40)) as pilot:
@@ -107,9 +128,16 @@ async def test_dashboard_shows_crashes_restarts_pause_and_stop(run_dir: Path) ->
             "the reward role to be restarted",
         )
 
-        # `r` restarts the selected actor.
+        # `r` asks first; `n` leaves the actor alone, `y` restarts it.
         actors.move_cursor(row=actors.get_row_index("reward-0"))
         await pilot.press("r")
+        await wait_until(lambda: isinstance(app.screen, Confirm), 30, "the question")
+        await pilot.press("n")
+        await wait_until(lambda: not isinstance(app.screen, Confirm), 30, "the answer")
+        assert find((await _status(run_dir))["tree"], "reward-0")["restart_count"] == restarts + 1
+        await pilot.press("r")
+        await wait_until(lambda: isinstance(app.screen, Confirm), 30, "the question")
+        await pilot.press("y")
         await wait_until(
             lambda: _cell(actors, "reward-0", "restarts") == str(restarts + 2), 60, "`r` to act"
         )
@@ -130,6 +158,23 @@ async def test_dashboard_shows_crashes_restarts_pause_and_stop(run_dir: Path) ->
 
         await pilot.press("q")
         await wait_until(lambda: app.return_code == 0, 30, "`q` to quit")
+
+
+@pytest.mark.slow
+async def test_status_of_a_stopped_cluster_says_the_run_ended(run_dir: Path) -> None:
+    if (run_dir / CONTROL_FILE).exists():  # run alone (-k): stop the module's cluster here
+        await control_request(run_dir, {"op": "stop"})
+        await wait_until(lambda: not (run_dir / CONTROL_FILE).exists(), 60, "the stop")
+    step = max(r["step"] for r in read_metrics(run_dir))
+    for args in ((), ("--json",)):
+        code, out, err = await asyncio.wait_for(
+            _relax("status", *args, "--run-dir", str(run_dir)), 60
+        )
+        assert code == 1
+        said = err if args else out
+        assert f"the run in {run_dir} has ended (stopped at step {step}" in said, (out, err)
+        assert "last mean reward" in said
+        assert not out if args else "\x1b" not in out
 
 
 async def test_dashboard_waits_for_a_cluster_that_is_not_running(tmp_path: Path) -> None:
@@ -157,7 +202,162 @@ async def test_status_json_without_a_running_cluster(tmp_path: Path) -> None:
     assert code == 1 and "no running cluster" in err and "stale" in err
 
 
+def _ended_run(tmp_path: Path, steps: int, done: int, **run_info: Any) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    info = {"cluster": "c", "steps": steps, "pid": NO_PID, **run_info}
+    (run / "run.json").write_text(json.dumps(info))
+    rows = [{"step": i, "applied": True, "reward_mean": i / steps} for i in range(1, done + 1)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+@pytest.mark.parametrize(
+    ("done", "control", "said"),
+    [
+        (8, False, "finished all 8 steps; last mean reward 1.000"),
+        (3, False, "stopped at step 3 of 8; last mean reward 0.375"),
+        (5, True, f"its process (pid {NO_PID}) died at step 5 of 8; last mean reward 0.625"),
+    ],
+)
+def test_status_of_an_ended_run_reports_how_it_ended_and_exits(
+    tmp_path: Path, done: int, control: bool, said: str
+) -> None:
+    run = _ended_run(tmp_path, 8, done)
+    if control:  # left behind by a process that was killed
+        (run / CONTROL_FILE).write_text(json.dumps({"pid": NO_PID, "url": "", "token": ""}))
+    (run / "up.log").write_text("starting\n8 steps; mean reward 0.1 -> 0.9\n\n")
+    result = CliRunner().invoke(relax_app, ["status", "--run-dir", str(run)])
+    assert result.exit_code == 1
+    assert f"the run in {run} has ended ({said}; up.log ends: 8 steps;" in result.stdout
+    assert "no running cluster" in result.stderr
+
+
+def test_status_in_a_pipe_of_a_starting_cluster_does_not_wait(tmp_path: Path) -> None:
+    run = _ended_run(tmp_path, 8, 0, pid=os.getpid())  # `relax up` alive, not serving yet
+    # A real pipe: a subprocess, bounded so a dashboard that never exits fails the test.
+    done = subprocess.run(
+        [sys.executable, "-m", "relax.cli", "status", "--run-dir", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert f"the cluster (pid {os.getpid()}) is starting or stopping" in done.stdout
+    assert "\x1b" not in done.stdout + done.stderr
+
+
+def test_status_on_a_terminal_reports_an_ended_run_instead_of_waiting(tmp_path: Path) -> None:
+    run = _ended_run(tmp_path, 8, 8)
+    primary, secondary = os.openpty()  # stdout is a terminal: the dashboard's case
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "relax.cli", "status", "--run-dir", str(run)],
+            stdin=subprocess.DEVNULL,
+            stdout=secondary,
+            stderr=subprocess.PIPE,
+            timeout=60,  # a dashboard waiting for a cluster that will not come fails here
+        )
+        os.close(secondary)
+        secondary = -1
+        shown = b""
+        while chunk := _read_pty(primary):
+            shown += chunk
+    finally:
+        os.close(primary)
+        if secondary >= 0:
+            os.close(secondary)
+    assert done.returncode == 1
+    assert f"the run in {run} has ended (finished all 8 steps" in shown.decode()
+
+
+async def test_sparklines_draw_constants_at_their_level_and_show_their_scale(
+    tmp_path: Path,
+) -> None:
+    app = StatusApp(tmp_path, interval=60)
+    async with app.run_test(size=(150, 40)) as pilot:
+        for reward, full in ((1.0, True), (0.0, False), (0.5, None)):
+            app._render_snapshot(_snapshot(rewards=[reward] * 20, loss=0.25))
+            await pilot.pause()
+            columns = _bars(app, "#reward")
+            assert len(set(columns)) == 1, columns  # a constant: one level across the chart
+            height = app.query_one("#reward").size.height
+            level = columns[0]
+            if full:
+                assert level == 8 * height  # 1.0 on the 0..1 axis: full height
+            elif full is False:
+                assert level == 1  # 0.0: the floor, a line of ▁ (still visible)
+            else:
+                assert abs(level - 4 * height) <= 1
+            label = str(app.query_one("#reward-label", Static).content)
+            assert f"min {reward:g} · max {reward:g} · axis 0 to 1" in label, label
+        # A rising reward rises on screen; the loss axis includes 0.
+        app._render_snapshot(_snapshot(rewards=[i / 19 for i in range(20)], loss=0.25))
+        await pilot.pause()
+        columns = _bars(app, "#reward")
+        assert columns == sorted(columns) and columns[0] < columns[-1]
+        assert "axis 0 to 0.25" in str(app.query_one("#loss-label", Static).content)
+        assert len(set(_bars(app, "#loss"))) == 1 and _bars(app, "#loss")[0] > 1
+
+
+async def test_restart_key_asks_before_restarting(tmp_path: Path, monkeypatch) -> None:
+    sent: list[dict[str, Any]] = []
+    app = StatusApp(tmp_path, interval=60)
+    monkeypatch.setattr(app, "_operate", lambda name, payload, done: sent.append(payload))
+    async with app.run_test(size=(150, 40)) as pilot:
+        app._render_snapshot(_snapshot(rewards=[0.5], loss=0.1))
+        await pilot.pause()
+        await pilot.press("r")
+        await wait_until(lambda: isinstance(app.screen, Confirm), 30, "the question")
+        assert "Restart [b]trainer[/b]?" in app.screen.question
+        await pilot.press("escape")
+        await wait_until(lambda: not isinstance(app.screen, Confirm), 30, "the answer")
+        assert sent == []
+        await pilot.press("r", "n")
+        await pilot.pause()
+        assert sent == [] and not isinstance(app.screen, Confirm)
+        await pilot.press("r", "y")
+        await wait_until(lambda: bool(sent), 30, "the restart request")
+        assert sent == [{"op": "restart", "child": "trainer"}]
+
+
 # ---------------------------------------------------------------------- helpers
+
+
+def _read_pty(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # EIO: the other side is closed and everything was read
+        return b""
+
+
+def _snapshot(rewards: list[float], loss: float) -> dict[str, Any]:
+    """A ``status`` reply of the shape the control endpoint sends (for the widget tests)."""
+    metrics = [
+        {"step": i + 1, "applied": True, "reward_mean": r, "loss": loss}
+        for i, r in enumerate(rewards)
+    ]
+    child = {"id": "trainer", "state": "running", "placement": "inproc", "restart_count": 0}
+    return {
+        "cluster": "c",
+        "tree": {"id": "root", "strategy": "one_for_one", "children": [child]},
+        "trainer": {"version": len(rewards)},
+        "metrics": metrics,
+        "bus": {},
+    }
+
+
+def _bars(app: StatusApp, selector: str) -> list[int]:
+    """The level (in eighths of a cell) of every drawn column of a sparkline, read off screen."""
+    widget = app.query_one(selector)
+    lines = [s.text for s in widget.render_lines(Region(0, 0, *widget.size))]
+    levels = []
+    for x in range(widget.size.width):
+        column = [line[x] for line in reversed(lines)]  # bottom line first
+        if set(column) == {" "}:
+            continue  # padding left of the data
+        levels.append(sum(8 if c == "█" else " ▁▂▃▄▅▆▇".index(c) for c in column))
+    return levels
 
 
 async def _relax(*args: str) -> tuple[int, str, str]:

@@ -9,6 +9,7 @@ import os
 import pty
 import select
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from relax.cli._up_progress import (
     plain_line,
     staleness_of,
 )
-from relax.cli._up_run_folder import resume_hint
+from relax.cli._up_run_folder import resume_hint, write_run_info
 from relax.cli._up_signals import SignalRouting
 from relax.cli._up_stderr import StderrPump
 from relax.config import parse_config
@@ -168,6 +169,22 @@ def test_resume_hint(tmp_path) -> None:
     )
 
 
+def test_a_secret_set_on_the_command_line_is_never_written_or_printed(tmp_path) -> None:
+    toml = write_config(tmp_path)
+    cfg = parse_config(toml.read_text())
+    secret = "s3cret-s3cret-s3cret"
+    overrides = [f"cluster.secret={secret}", "trainer.steps=3"]
+    run = tmp_path / "run"
+    write_run_info(run, cfg, toml, overrides)
+    info = (run / "run.json").read_text()
+    assert secret not in info
+    assert json.loads(info)["overrides"] == ["cluster.secret=<secret>", "trainer.steps=3"]
+    assert stat.S_IMODE((run / "run.json").stat().st_mode) == 0o600
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
+    hint = resume_hint(toml, overrides, run, cfg)
+    assert secret not in hint and "--set 'cluster.secret=<secret>'" in hint
+
+
 @pytest.mark.parametrize("detach", [False, True])
 def test_bad_overrides_and_missing_files_start_nothing(tmp_path, detach) -> None:
     toml = write_config(tmp_path)
@@ -234,6 +251,10 @@ def test_up_reports_each_step_and_plots_at_the_end(tmp_path) -> None:
     assert info["cluster_toml"] == str(toml.resolve()) and info["steps"] == 2
     assert {p.name for p in (run / "plots").iterdir()} >= {"reward.png", "staleness.png"}
     assert (run / "checkpoints" / "step-00000002" / "model.safetensors").is_file()
+    # Everything the run wrote (bus segments, logs, metrics, run.json) is its owner's only.
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
+    for path in run.rglob("*"):
+        assert not stat.S_IMODE(path.stat().st_mode) & 0o077, path
 
 
 def broken_prompts(seed: int = 0):
@@ -250,6 +271,7 @@ def test_a_tree_that_gives_up_exits_1_with_the_cause(tmp_path) -> None:
     assert result.exit_code == 1, result.output
     assert "gave up" in result.stderr and "the prompt source is broken" in result.stderr
     assert f"relax logs --run-dir {run}" in result.stderr
+    assert "resume" not in result.output  # it never trained a step: nothing to resume
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from relax.config import (
 )
 from relax.config._locate import key_lines, locate
 from relax.errors import ConfigError
+from relax.preflight import load_checked
 
 HERE = Path(__file__).parent
 BAD_FILES = sorted((HERE / "bad").glob("*.toml"))
@@ -64,8 +65,9 @@ def test_bad_file_is_rejected_at_the_expected_key(path: Path):
     assert "expect" in directives, f"{path.name} needs a first line '# expect: <key.path>'"
     expected = "" if directives["expect"] == "<file>" else directives["expect"]
 
+    # Every check `relax validate` and `relax up` run: the schema, then the preflight.
     with pytest.raises(ConfigError) as info:
-        load_config(path)
+        load_checked(path)
     issues = info.value.issues
 
     assert [issue.path for issue in issues] == [expected], "\n".join(map(str, issues))

@@ -1,9 +1,13 @@
-"""Offline audits of a finished run: its samples bus log, its metrics and its captured logs.
+"""Offline audits of a finished run: its samples bus log, the trainer's ledger, its metrics
+and its captured logs.
 
 The samples bus appends every change (puts, columns, leases, acks, drops, versions) to its log
 before it answers anyone, so replaying that log after the run tells exactly what happened to
 every row, however often the roles around it were killed (as ``tests/bus/test_exactly_once.py``
-does for a bare producer and consumer).
+does for a bare producer and consumer). The bus log alone cannot tell whether the trainer
+really trained each row once (a bus that exposed weights without logging their rows' ack
+looked clean in its own log), so ``check_trainer_ledger`` holds it against the trainer's own
+record of which rows each surviving step consumed.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ class BusLedger:
     drop_ops: list[dict[str, Any]] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     """Trainer versions, in the order the bus recorded them (one per committed weights)."""
+    commits: list[int] = field(default_factory=list)
+    """Weight versions committed (each with its rows' ack, in one record), in log order."""
     pending: set[str] = field(default_factory=set)
     """Rows still on the bus when the run ended."""
     counters: Counter[str] = field(default_factory=Counter)
@@ -87,7 +93,7 @@ def replay_samples_bus(run_dir: Path) -> BusLedger:
         assert log.first_seq == 0, f"the bus log was compacted (first seq {log.first_seq})"
         ops = [(seq, loads(record)) for seq, record in log.replay()]
     # The consumer tasks ("reward", "train", and "reference"/"critic" when enabled).
-    tasks = {"train"} | {op["task"] for _, op in ops if "task" in op}
+    tasks = {"train"} | {op["task"] for _, op in ops if op.get("task")}
     table = BusTable(tasks=tuple(sorted(tasks)), capacity=1 << 30, staleness=math.inf)
     for seq, op in ops:
         ledger.records += 1
@@ -113,6 +119,18 @@ def replay_samples_bus(run_dir: Path) -> BusLedger:
                 ledger.dropped.setdefault(uid, op["reason"])
         elif kind == "version":
             ledger.versions.append(int(op["version"]))
+        elif kind == "commit":
+            ledger.commits.append(int(op["version"]))
+            if op["set_version"] and op["version"] > table.version:  # v0 moves nothing
+                ledger.versions.append(int(op["version"]))
+            if op["items"]:
+                acked = ledger.acks.setdefault(op["task"], Counter())
+                for uid, _attempt in op["items"]:
+                    acked[uid] += 1
+            if op.get("drop"):
+                ledger.drop_ops.append(op["drop"])
+                for uid in op["drop"]["uids"]:
+                    ledger.dropped.setdefault(uid, op["drop"]["reason"])
         table.apply(op, seq)
     ledger.pending = set(table.rows)
     ledger.counters = table.counters
@@ -143,6 +161,53 @@ def check_exactly_once(ledger: BusLedger) -> None:
     for group, uids in by_group.items():
         if uids & trained:
             assert not uids & dropped, f"group {group} was partly trained, partly dropped"
+
+
+# --------------------------------------------------------------------------- the trainer's ledger
+
+
+def read_trainer_ledger(run_dir: Path) -> list[dict[str, Any]]:
+    """The trainer's ``trainer-ledger.jsonl``: per step, the ``[uid, attempt]`` it consumed."""
+    path = run_dir / "trainer-ledger.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def check_trainer_ledger(run_dir: Path, ledger: BusLedger) -> dict[str, int]:
+    """The trainer's own evidence against the bus log: the steps that survive in the final
+    weights' lineage are 1..N, each once; no row was used by two of them; every row they used
+    was acked (with its commit) by the bus, and every row the bus acked for training was
+    consumed by a step the ledger records (applied, or skipped). Returns a summary."""
+    entries = read_trainer_ledger(run_dir)
+    final = max(ledger.commits, default=0)
+    if ledger.commits:
+        contiguous = list(range(ledger.commits[0], final + 1))
+        assert ledger.commits == contiguous, f"weight versions with gaps: {ledger.commits}"
+    applied = [e for e in entries if e["applied"]]
+    steps = [e["step"] for e in applied]
+    assert steps == sorted(set(steps)), f"a step recorded twice in the ledger: {steps}"
+    lineage = [e for e in applied if e["step"] <= final]
+    assert [e["step"] for e in lineage] == list(range(1, final + 1)), (
+        f"the final weights v{final} do not descend from steps 1..{final}: "
+        f"{[e['step'] for e in lineage]}"
+    )
+    used: dict[str, int] = {}
+    for entry in lineage:
+        for uid, _attempt in entry["items"]:
+            assert uid not in used, f"{uid} trained twice: by step {used[uid]} and {entry['step']}"
+            used[uid] = entry["step"]
+    acked = ledger.trained
+    unacked = set(used) - acked
+    assert not unacked, (
+        f"{len(unacked)} rows trained into the final weights but never acked, "
+        f"e.g. {sorted(unacked)[:5]}"
+    )
+    consumed = set(used) | {u for e in entries if not e["applied"] for u, _ in e["items"]}
+    lost = acked - consumed
+    assert not lost, (
+        f"{len(lost)} rows acked for training but no step used them: {sorted(lost)[:5]}"
+    )
+    return {"steps": len(lineage), "rows_trained": len(used), "entries": len(entries)}
 
 
 # --------------------------------------------------------------------------- metrics

@@ -192,8 +192,9 @@ async def test_failing_agent_program_ends_its_episode_not_the_rollout(tmp_path) 
 
 @pytest.mark.timeout(300)
 async def test_openai_agent_example_reward_rises(tmp_path, monkeypatch) -> None:
-    monkeypatch.chdir(EXAMPLES.parent)  # the program is imported as examples.openai_agent.agent
-    monkeypatch.syspath_prepend(str(EXAMPLES.parent))
+    # The program ("agent:solve") is a module of the config's own folder, which `relax up`
+    # puts on sys.path; load_config alone does not, so the test does.
+    monkeypatch.syspath_prepend(str(EXAMPLES / "openai_agent"))
     cfg = load_config(
         EXAMPLES / "openai_agent" / "cluster.toml", overrides=['logging.level="warning"']
     )

@@ -4,7 +4,9 @@ The digits recipe runs with rollout, reward and trainer each in its own process.
 is SIGKILLed at least once, at seeded random moments (an applied-step count, then a sub-second
 delay), and restarted by the supervisor. Afterwards the samples bus's own log is replayed
 offline: every row put was trained exactly once, dropped with a reason, or was still queued
-when the trainer finished — none vanished, none was trained twice.
+when the trainer finished — none vanished, none was trained twice — and held against the
+trainer's own ledger of which rows each surviving step consumed. (Bus kills, under the default
+supervisor settings: ``tests/e2e/test_bus_kills.py``.)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tests.e2e.audit import (
     captured_logs,
     check_exactly_once,
     check_metrics,
+    check_trainer_ledger,
     read_logs,
     read_metrics,
     replay_samples_bus,
@@ -124,6 +127,9 @@ async def test_roles_sigkilled_mid_run_lose_nothing_and_train_nothing_twice(tmp_
         len(skipped),
     )
     assert ledger.versions == list(range(1, steps + 1)), ledger.versions  # one per update
+    # And by the trainer's own ledger: the final weights descend from steps 1..N, each on
+    # rows no other surviving step used, every one of them acked by the bus.
+    assert check_trainer_ledger(run_dir, ledger)["steps"] == steps
     print(
         f"\nkills (role, applied steps, delay): "
         f"{[(t, p, round(d, 2)) for t, p, d in zip(targets, points, delays, strict=True)]}; "

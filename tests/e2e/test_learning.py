@@ -1,5 +1,6 @@
 """The shipped recipe really learns, in every staleness mode, on a CPU in seconds — and every
-mode ends at the same reward (the paper's claim: bounded or full asynchrony costs no quality)."""
+mode ends at the same reward (the paper's claim: bounded or full asynchrony costs no quality).
+The config `relax init` gives a new user first is that recipe, and learns as written."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from relax import cluster
+from relax.cli import app
 from relax.config import load_config
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -38,3 +41,19 @@ async def test_every_staleness_mode_learns_to_the_same_reward(tmp_path: Path) ->
         assert first < 0.3 and last > 0.8, (staleness, first, last, rewards)
         finals[staleness] = last
     assert max(finals.values()) - min(finals.values()) <= TOLERANCE, finals
+
+
+async def test_the_config_relax_init_writes_by_default_learns(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    written = CliRunner().invoke(app, ["init"])  # what a new user runs first
+    assert written.exit_code == 0, written.output
+    # As written (its steps, batch, reward), at staleness 0 so the run is the same every time
+    # (the recipe's own staleness 1 is the test above). Measured: 0.044 -> 0.944 in 40 steps.
+    cfg = load_config(tmp_path / "cluster.toml", overrides=["staleness=0"])
+    layout = await cluster.run(cfg, tmp_path / "run")
+    lines = (layout.run_dir / "metrics.jsonl").read_text().splitlines()
+    rewards = [json.loads(line)["reward_mean"] for line in lines]
+    assert len(rewards) == cfg.trainer.steps == 40
+    quarter = len(rewards) // 4
+    first, last = sum(rewards[:quarter]) / quarter, sum(rewards[-quarter:]) / quarter
+    assert first < 0.15 and last > 0.85, (first, last, rewards)

@@ -472,3 +472,46 @@ async def test_unsupported_cpu_head_size_is_explained(tmp_path: Path) -> None:
     folder = build_tiny_model(ModelInitConfig(**{**TINY, "num_heads": 4}), tmp_path / "m")
     with pytest.raises(EngineError, match="head sizes"):
         VLLMEngine.from_pretrained(folder)
+
+
+@pytest.mark.slow
+@needs_vllm
+async def test_bias_penalties_and_top_logprobs_map_to_vllm(
+    engine: VLLMEngine, reference_models: dict[int, torch.nn.Module]
+) -> None:
+    """logit_bias and presence/frequency penalties reach vLLM's sampler, and its processed
+    logprobs (sampled and top-N) are of the biased, penalised, tempered distribution —
+    recomputed here by hand from the HF reference's logits."""
+    bias, presence, frequency, temperature = {65: 2.5, 66: -100.0}, 0.5, 0.9, 0.8
+    gens = await engine.generate(
+        PROMPTS,
+        max_new_tokens=10,
+        temperature=temperature,
+        seed=7,
+        logit_bias=bias,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        top_logprobs=3,
+    )
+    for gen in gens:
+        ids = torch.tensor([gen.prompt_ids + gen.response_ids])
+        with torch.no_grad():
+            logits = reference_models[0](ids).logits[0, len(gen.prompt_ids) - 1 : -1].float()
+        for token, b in bias.items():
+            logits[:, token] += b
+        for t in range(len(gen.response_ids)):
+            for token in set(gen.response_ids[:t]):
+                logits[t, token] -= frequency * gen.response_ids[:t].count(token) + presence
+        logp = (logits / temperature).log_softmax(-1)
+        want = logp.gather(-1, torch.tensor(gen.response_ids)[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(gen.logprobs), want, atol=ATOL)
+        assert gen.top_logprobs is not None
+        for t, top in enumerate(gen.top_logprobs):
+            values, top_ids = logp[t].topk(3)
+            assert [i for i, _ in top] == top_ids.tolist()
+            assert [v for _, v in top] == pytest.approx(values.tolist(), abs=ATOL)
+        assert 66 not in gen.response_ids
+    with pytest.raises(EngineError, match="does not stream"):
+        await engine.generate(PROMPTS, max_new_tokens=2, on_token=lambda events: None)
+    with pytest.raises(EngineError, match="logit_bias has token ids outside"):
+        await engine.generate(PROMPTS, max_new_tokens=2, logit_bias={10_000: 1.0})

@@ -90,7 +90,19 @@ async def test_success(server: RewardServer) -> None:
     assert headers["authorization"] == "Bearer t"
     assert payload == {
         "response": "abcd",
-        "sample": {"scale": 0.5, "answer": "x"},
+        # The whole sample: its row's fields and the standard keys (relax.rewards.Sample).
+        "sample": {
+            "scale": 0.5,
+            "answer": "x",
+            "response": "abcd",
+            "response_ids": [],
+            "response_tokens": 3,
+            "prompt": "",
+            "messages": None,
+            "prompt_ids": [],
+            "uid": "",
+            "group": "",
+        },
         "response_tokens": 3,
     }
 

@@ -80,6 +80,14 @@ def test_step_matches_torch_backend(load_model) -> None:
     expected = reference.state_dict_for_publish()
     assert published.keys() == expected.keys()  # Hugging Face names, tied ones included
     for name in expected:
+        if name.endswith("k_proj.bias"):
+            # A key bias adds q·b to every logit of a query; softmax cancels all of it but
+            # what RoPE rotates, so its gradient is tiny, near Adam's eps, where Adam's
+            # division turns float-level differences of the two backends' reductions into
+            # visible ones (measured: 2.5e-7 of a 1.25e-3 move). It must stay within the
+            # optimiser's reach of the reference; every other tensor matches to 1e-7.
+            assert (published[name] - expected[name]).abs().max() <= 1e-3 * TRAINER["lr"]
+            continue
         torch.testing.assert_close(published[name], expected[name], rtol=1e-5, atol=1e-7)
     assert all(t.device.type == "cpu" and not t.requires_grad for t in published.values())
 

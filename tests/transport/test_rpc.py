@@ -18,7 +18,7 @@ import pynng
 import pytest
 import torch
 
-from relax.errors import CallTimeout, LeaseExpired, MessageTooLarge, PeerGone, RemoteError
+from relax.errors import CallTimeout, MessageTooLarge, PeerGone, RemoteError, VersionGone
 from relax.transport import Client, Limits, Peer, Server, connect, serve
 from relax.transport._rpc_frames import PART, REFUSED, RESULT, STALE, encode
 from tests.actors.helpers import wait_until
@@ -119,8 +119,8 @@ async def test_handler_errors_come_back_rebuilt(url: str) -> None:
     async def handler(payload: Any, peer: Peer) -> Any:
         if payload == "key":
             raise KeyError("missing")
-        if payload == "lease":
-            raise LeaseExpired("the rows went back")
+        if payload == "gone":
+            raise VersionGone("version 3 is gone")
         if payload == "custom":
             raise Custom("mine")
         return "fine"
@@ -128,8 +128,8 @@ async def test_handler_errors_come_back_rebuilt(url: str) -> None:
     async with running(url, handler) as server, client_of(server) as client:
         with pytest.raises(KeyError):
             await client.request("key")
-        with pytest.raises(LeaseExpired, match="the rows went back"):
-            await client.request("lease")
+        with pytest.raises(VersionGone, match="version 3 is gone"):
+            await client.request("gone")
         with pytest.raises(RemoteError) as info:
             await client.request("custom")
         assert info.value.remote_type.endswith("Custom") and "mine" in str(info.value)

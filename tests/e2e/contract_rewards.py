@@ -1,0 +1,44 @@
+"""Reward functions for the reward-contract tests (``kind = "python"``, by import path)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from relax.rewards import Sample
+
+
+def always_raises(response: str, sample: Sample) -> float:
+    """A reward function with a bug: it fails on every sample."""
+    return len(response) / 0  # the user's bug: ZeroDivisionError on every call
+
+
+async def components(response: str, sample: Sample, *, log: str) -> dict[str, float]:
+    """Async, returns named components, and records what it was given (one JSON line)."""
+    await asyncio.sleep(0)
+    record = {
+        "keys": sorted(sample),
+        "answer": sample.answer,
+        "fields": sample.fields,
+        "prompt": sample.prompt,
+        "messages": sample.messages,
+        "response": sample.response,
+        "response_ids": sample.response_ids,
+        "prompt_ids": sample.prompt_ids,
+        "uid": sample.uid,
+        "group": sample.group,
+        "is_sample": isinstance(sample, Sample),
+    }
+    with open(log, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return {
+        "starts_digit": float(response[:1].isdigit()),
+        "length": float(len(sample.response_ids)),
+    }
+
+
+def batched_level(responses: list[str], samples: list[Sample], *, log: str) -> list[float]:
+    """Batched: one call for the batch; scores each sample by its row's ``level`` field."""
+    with open(log, "a") as f:
+        f.write(json.dumps({"batch": len(samples), "uids": [s.uid for s in samples]}) + "\n")
+    return [float(s.fields["level"]) for s in samples]
