@@ -81,6 +81,8 @@ SAMPLES: dict[str, Callable[[], RelaxError]] = {
     "MediaError": lambda: errors.MediaError("image", "cat.png", "missing file"),
     "ChatFormatError": lambda: errors.ChatFormatError("the tokenizer has no chat template"),
     "PlotError": lambda: errors.PlotError("no metrics yet"),
+    "Unrecoverable": lambda: errors.Unrecoverable("user code fails every time"),
+    "RewardFailing": lambda: errors.RewardFailing("20 groups failed in a row", failed_groups=20),
 }
 
 
