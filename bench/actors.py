@@ -71,7 +71,7 @@ async def queue_baseline(calls: int) -> float:
 
 async def pynng_baseline(calls: int, transport: str) -> float:
     if transport == "ipc":
-        addr = f"ipc:///tmp/relax-bench-{os.getpid()}.sock"
+        addr = f"ipc://{tempfile.gettempdir()}/relax-bench-{os.getpid()}.sock"
     else:
         addr = "tcp://127.0.0.1:0"
     with pynng.Pair0(recv_max_size=0) as sock:
