@@ -73,12 +73,13 @@ def rows_for(size: int, count: int, tag: str) -> list[list[dict]]:
     return out
 
 
-async def bus_throughput(url: str, size: int, count: int, tag: str) -> float:
+async def put_take_seconds(url: str, batches: list[list[dict]]) -> float:
+    """Seconds one producer takes to put ``batches`` while one consumer takes them all."""
+    count = sum(len(b) for b in batches)
     async with (
         await BusClient.connect(url, limits=LIMITS) as producer,
         await BusClient.connect(url, limits=LIMITS) as consumer,
     ):
-        batches = rows_for(size, count, tag)
 
         async def produce() -> None:
             for batch in batches:
@@ -92,7 +93,12 @@ async def bus_throughput(url: str, size: int, count: int, tag: str) -> float:
 
         start = time.perf_counter()
         await asyncio.gather(produce(), consume())
-        return count * size / (time.perf_counter() - start)
+        return time.perf_counter() - start
+
+
+async def bus_throughput(url: str, size: int, count: int, tag: str) -> float:
+    """put -> take bytes/s of rows of ``size`` bytes."""
+    return count * size / await put_take_seconds(url, rows_for(size, count, tag))
 
 
 def training_rows(count: int, tag: str, batch: int = 16) -> list[list[dict]]:
@@ -113,25 +119,7 @@ def training_rows(count: int, tag: str, batch: int = 16) -> list[list[dict]]:
 
 async def bus_training_rows(url: str, count: int, tag: str) -> float:
     """put -> take rows/s of training rows."""
-    async with (
-        await BusClient.connect(url, limits=LIMITS) as producer,
-        await BusClient.connect(url, limits=LIMITS) as consumer,
-    ):
-        batches = training_rows(count, tag)
-
-        async def produce() -> None:
-            for batch in batches:
-                await producer.put(batch)
-
-        async def consume() -> None:
-            got = 0
-            while got < count:
-                async with consumer.take("train", batch_size=16, wait=5) as batch:
-                    got += len(batch)
-
-        start = time.perf_counter()
-        await asyncio.gather(produce(), consume())
-        return count / (time.perf_counter() - start)
+    return count / await put_take_seconds(url, training_rows(count, tag))
 
 
 def check_cost_us(count: int = 2000) -> float:

@@ -33,7 +33,7 @@ from typing import Any
 from relax.actors import Supervisor
 from relax.bus import BusClient
 from relax.errors import ClusterNotRunning, RelaxError
-from relax.roles._rollout import set_pause_requested
+from relax.runfiles import set_pause_requested
 from relax.transport import Client, Peer, connect, serve
 
 CONTROL_FILE = "control.json"

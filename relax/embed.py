@@ -41,7 +41,7 @@ from relax.cluster import Layout, build_tree, prepare
 from relax.config import ClusterConfig
 from relax.log import ENV_CONSOLE, LOGS_DIR, configure_logging, log_files
 from relax.preflight import load_checked
-from relax.roles._rollout import set_pause_requested
+from relax.runfiles import set_pause_requested
 
 _QUIET_ENV = {ENV_CONSOLE: "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 """What keeps an embedded run's processes off the terminal (children inherit it)."""

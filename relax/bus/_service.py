@@ -292,7 +292,9 @@ class BusService(Actor):
                 now=time.time(),
                 timeout=self.admission_timeout,
             )
-            return ops if verdict in ("ok", "behind") else None
+            # Only "full" is worth waiting for here; "ahead" waits for the trainer's next
+            # weights, which the producer's weight follower brings, so it is answered now.
+            return ops if verdict != "full" else None
 
         ops = await self._wait_for(attempt, req.get("wait"))
         if ops:

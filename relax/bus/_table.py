@@ -187,6 +187,13 @@ class BusTable:
     def admitted_rows(self) -> int:
         return sum(a.rows for a in self.admissions.values())
 
+    def queued_for_trainer(self) -> int:
+        """Rows on the bus the trainer has not acked. A row it trained on may stay a while
+        (until another task, the critic say, acks it too); it is counted in ``trained``
+        already, and counting it again would pace producers on rows consumed twice."""
+        task = self.trainer_task
+        return sum(1 for r in self.rows.values() if r.progress[task][0] != "acked")
+
     def room(self) -> int:
         """Rows that can still be put or admitted before the bus is full."""
         return self.capacity - len(self.rows) - self.admitted_rows()
@@ -420,7 +427,7 @@ class BusTable:
         if self.room() < rows:
             return [], "full"
         if not math.isinf(self.staleness):
-            in_play = self.trained + len(self.rows) + self.admitted_rows()
+            in_play = self.trained + self.queued_for_trainer() + self.admitted_rows()
             # Batches consumed so far = versions + skipped steps; a row admitted now will be
             # consumed within `staleness` of them.
             skipped = self.counters["skipped_steps"]

@@ -29,7 +29,13 @@ from typing import Any
 from relax.actors import Actor
 from relax.config import ClusterConfig
 from relax.engines import load_tokenizer
-from relax.roles._common import cluster_config, connect_bus, training_row, write_once
+from relax.roles._common import (
+    cluster_config,
+    connect_bus,
+    training_row,
+    without_poisoned,
+    write_once,
+)
 from relax.training._value import CriticTrainer, ValueModel
 
 VALUE_CLIP = 0.5
@@ -123,6 +129,7 @@ class CriticRole(Actor):
                     whole_groups=True,  # whole groups make fuller, steadier critic batches
                     wait=1.0,
                 ) as batch:
+                    await without_poisoned(bus, batch, self.log)  # e.g. reward = "high"
                     if not batch.rows:
                         continue
                     started = time.monotonic()

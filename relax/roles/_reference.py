@@ -23,7 +23,13 @@ import torch
 
 from relax.actors import Actor
 from relax.engines import load_policy
-from relax.roles._common import cluster_config, connect_bus, training_row, write_once
+from relax.roles._common import (
+    cluster_config,
+    connect_bus,
+    training_row,
+    without_poisoned,
+    write_once,
+)
 from relax.training import Row, pack_batch, response_values, sequence_logprobs
 
 TAKE_ROWS = 64
@@ -126,6 +132,7 @@ class ReferenceRole(Actor):
                     optional=["mm_inputs"],
                     wait=1.0,
                 ) as batch:
+                    await without_poisoned(bus, batch, self.log)  # e.g. a string response_ids
                     if not batch.rows:
                         continue
                     started = time.monotonic()

@@ -89,10 +89,14 @@ def component_metrics(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 
 
 class WarningThrottle:
-    """Rate-limits a flood of warnings: each distinct ``key`` is logged the first time, then
-    at most once per ``interval`` seconds with ``repeated`` (how many were held back); at most
-    ``burst`` distinct new keys are logged per interval, the rest counted and reported with
-    the next one that is logged (``not_logged``)."""
+    """Rate-limits a flood of warnings: each distinct ``key`` is warned about the first time,
+    then at most once per ``interval`` seconds with ``repeated`` (how many were held back); at
+    most ``burst`` distinct new keys are warned about per interval, the rest counted and
+    reported with the next warning (``not_logged``).
+
+    A held-back warning is not lost: it goes out at debug level (``held_back=True``), so a run
+    at ``logging.level = "debug"`` names every failed sample while the warnings a person reads
+    stay few. (The reward circuit breaker bounds how many there can be in a row.)"""
 
     def __init__(
         self,
@@ -117,6 +121,7 @@ class WarningThrottle:
         if entry is None:
             if self._new_in_window >= self.burst:
                 self._unlogged += 1
+                self._hold_back(event, fields)
                 return False
             self._new_in_window += 1
             if len(self._seen) >= self.max_keys:
@@ -126,11 +131,15 @@ class WarningThrottle:
             return True
         if now - entry[0] < self.interval:
             entry[1] += 1
+            self._hold_back(event, fields)
             return False
         fields["repeated"] = int(entry[1])
         entry[:] = [now, 0]
         self._emit(event, fields)
         return True
+
+    def _hold_back(self, event: str, fields: dict[str, Any]) -> None:
+        self.log.debug(event, held_back=True, **fields)
 
     def _emit(self, event: str, fields: dict[str, Any]) -> None:
         if self._unlogged:

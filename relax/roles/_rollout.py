@@ -63,28 +63,7 @@ from relax.roles._common import (
     without_poisoned,
 )
 from relax.roles._episodes import env_rows, program_rows
-
-PAUSE_FILE = "paused"
-"""A run folder's pause flag: present while generation is paused (see the module docstring)."""
-
-
-def pause_requested(run_dir: str | Path | None) -> bool:
-    """Whether the run in ``run_dir`` is paused (its ``PAUSE_FILE`` exists)."""
-    return run_dir is not None and (Path(run_dir) / PAUSE_FILE).exists()
-
-
-def set_pause_requested(run_dir: str | Path, paused: bool) -> None:
-    """Record the run's pause state where a restarted rollout reads it."""
-    path = Path(run_dir) / PAUSE_FILE
-    if not paused:
-        path.unlink(missing_ok=True)
-        return
-    tmp = path.with_name(PAUSE_FILE + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"paused": True}, f)
-    tmp.replace(path)
-
+from relax.runfiles import pause_requested
 
 PROMPT_FOR_REWARD = {"text": "prompt_text", "messages": "messages", "fields": "fields"}
 """Prompt-row columns copied onto each sample row (as named here) for the reward role."""

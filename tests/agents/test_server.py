@@ -413,15 +413,16 @@ async def test_top_logprobs_are_the_top_of_the_sampled_distribution(
     client: openai.AsyncOpenAI, policy: tuple[Any, Any]
 ) -> None:
     model, tokenizer = policy
-    reply = await client.chat.completions.create(
-        model="policy",
-        messages=USER,
-        max_tokens=8,
-        temperature=0.7,
-        logprobs=True,
-        top_logprobs=4,
-        seed=2,
-    )
+    ask: dict[str, Any] = {
+        "model": "policy",
+        "messages": USER,
+        "max_tokens": 8,
+        "temperature": 0.7,
+        "logprobs": True,
+        "top_logprobs": 4,
+        "seed": 2,
+    }
+    reply = await client.chat.completions.create(**ask)
     [choice] = reply.choices
     ids = extra(choice, "token_ids")
     logp = distributions(model, extra(reply, "prompt_token_ids"), ids, 0.7)
@@ -450,16 +451,7 @@ async def test_top_logprobs_are_the_top_of_the_sampled_distribution(
         assert list(got.values()) == pytest.approx(list(want.values()), abs=1e-4)
 
     # Streamed, the same numbers arrive piece by piece.
-    stream = await client.chat.completions.create(
-        model="policy",
-        messages=USER,
-        max_tokens=8,
-        temperature=0.7,
-        logprobs=True,
-        top_logprobs=4,
-        seed=2,
-        stream=True,
-    )
+    stream = await client.chat.completions.create(**ask, stream=True)
     pieces = [c.choices[0].logprobs async for c in stream if c.choices]
     streamed = [t for p in pieces if p is not None for t in p.content or []]
     assert [[x.logprob for x in t.top_logprobs] for t in streamed] == [

@@ -163,6 +163,24 @@ def test_a_skipped_training_step_keeps_producers_going() -> None:
     assert t.admit("e", 1, version=0, now=0, timeout=60)[1] == "ahead"
 
 
+def test_a_row_trained_on_but_not_yet_done_by_another_task_is_counted_once() -> None:
+    # PPO at staleness 0: the trainer has acked a batch (version 1) that the critic, a second
+    # task, still holds. Counted as trained and again as queued, the next batch's producers
+    # were told "ahead" until the critic acked (~5 s a step, waiting for weights).
+    t = table(tasks=("critic", "train"), staleness=0, batch_size=2, capacity=100)
+    for g in ("a", "b"):
+        assert t.admit(g, 1, version=0, now=0, timeout=60)[1] == "ok"
+        t.put(rows(g, 1))
+    _, critic = t.take("critic", batch_size=2, now=0)  # the critic is still on them
+    _, lease = t.take("train", batch_size=2, now=0)
+    assert critic is not None and lease is not None
+    t.commit_weights(1, "p1", task="train", items=list(lease.items.items()))
+    assert len(t.rows) == 2  # not finished: the critic has not acked
+    assert t.admit("c", 1, version=1, now=0, timeout=60)[1] == "ok"
+    assert t.admit("d", 1, version=1, now=0, timeout=60)[1] == "ok"
+    assert t.admit("e", 1, version=1, now=0, timeout=60)[1] == "ahead"
+
+
 def test_admission_is_bounded_by_capacity_when_fully_async() -> None:
     t = table(tasks=("train",), staleness=math.inf, capacity=3)
     verdicts = [t.admit(f"g{i}", 1, version=0, now=0, timeout=60)[1] for i in range(4)]

@@ -408,3 +408,24 @@ def _cell(table: DataTable, row: str, column: str) -> str:
 def _banner(app: StatusApp) -> str:
     banner = app.query_one("#banner", Static)
     return str(banner.content) if banner.display else ""
+
+
+@pytest.mark.parametrize("args", [["status", "--json"], ["status"], ["down"]])
+def test_operating_commands_start_fast_without_torch(tmp_path: Path, args: list[str]) -> None:
+    """`relax status` is polled (by people and by scripts): it must not import torch or
+    transformers, which took it from ~1 s to ~13 s a call (through the control endpoint's
+    import of the rollout role)."""
+    run = _ended_run(tmp_path, 8, 3)
+    code = (
+        "import sys\n"
+        "from relax.cli import main\n"
+        f"sys.argv = ['relax', *{args!r}, '--run-dir', {str(run)!r}]\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+        "print('heavy:', heavy)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.splitlines()[-1] == "heavy: []", done.stdout + done.stderr

@@ -45,6 +45,8 @@ class BusLedger:
     """uid -> how many logged put records carried it (the bus deduplicates: must be 1)."""
     rewards: dict[str, float] = field(default_factory=dict)
     """uid -> the reward column written for it."""
+    components: dict[str, dict[str, float]] = field(default_factory=dict)
+    """uid -> the named reward components written with its reward (when it had any)."""
     acks: dict[str, Counter[str]] = field(default_factory=dict)
     """task -> uid -> how many times it was acked (must be at most 1)."""
     dropped: dict[str, str] = field(default_factory=dict)
@@ -109,6 +111,8 @@ def replay_samples_bus(run_dir: Path) -> BusLedger:
                     ledger.dropped_on_arrival.add(uid)
         elif kind == "columns" and "reward" in op["columns"]:
             ledger.rewards[op["uid"]] = float(_plain(op["columns"]["reward"]))
+            if op["columns"].get("reward_components"):
+                ledger.components[op["uid"]] = _plain(op["columns"]["reward_components"])
         elif kind == "ack":
             acked = ledger.acks.setdefault(op["task"], Counter())
             for uid, _attempt in op["items"]:
@@ -242,8 +246,9 @@ def check_metrics(records: list[dict[str, Any]], steps: int) -> tuple[list[int],
 
 
 @contextlib.contextmanager
-def captured_logs(path: Path) -> Iterator[Path]:
-    """Send every log line of this process and its children (JSON) to ``path``.
+def captured_logs(path: Path, level: str = "info") -> Iterator[Path]:
+    """Send every log line (of ``level`` and above) of this process and its children (JSON)
+    to ``path``.
 
     Child processes inherit file descriptor 2 and the log format, so fd 2 points at the file
     for the duration; this process's structlog writes there through its own handle.
@@ -253,7 +258,7 @@ def captured_logs(path: Path) -> Iterator[Path]:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         saved = os.dup(2)
         os.dup2(fd, 2)
-        configure_logging(level="info", fmt="json", stream=stream, force=True)
+        configure_logging(level=level, fmt="json", stream=stream, force=True)
         try:
             yield path
         finally:

@@ -37,8 +37,9 @@ async def components(response: str, sample: Sample, *, log: str) -> dict[str, fl
     }
 
 
-def batched_level(responses: list[str], samples: list[Sample], *, log: str) -> list[float]:
-    """Batched: one call for the batch; scores each sample by its row's ``level`` field."""
+def batched_sum(responses: list[str], samples: list[Sample], *, log: str) -> list[float]:
+    """Batched: one call for the batch; scores each sample by whether its row's own
+    ``operands`` field adds up to its answer (always, for examples/own_reward's rows)."""
     with open(log, "a") as f:
         f.write(json.dumps({"batch": len(samples), "uids": [s.uid for s in samples]}) + "\n")
-    return [float(s.fields["level"]) for s in samples]
+    return [float(sum(s["operands"]) == s.answer) for s in samples]

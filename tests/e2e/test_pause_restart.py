@@ -12,7 +12,7 @@ import pytest
 from relax.cluster import build_tree, control_server, prepare
 from relax.config import parse_config
 from relax.control import control_request
-from relax.roles._rollout import PAUSE_FILE
+from relax.runfiles import PAUSE_FILE
 from tests.actors.helpers import find, wait_until
 from tests.tiny import tiny_toml
 

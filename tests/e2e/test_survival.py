@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -46,9 +47,10 @@ PROCESSES = [
 
 
 async def run(cfg, tmp_path: Path):
-    """Run the cluster to the end with every log line captured; the final tree snapshot."""
+    """Run the cluster to the end with every log line captured (debug level: warnings held
+    back by the reward role's rate limit too); the final tree snapshot."""
     layout = cluster.prepare(cfg, tmp_path / "run")
-    with captured_logs(tmp_path / "run.log"):
+    with captured_logs(tmp_path / "run.log", level="debug"):
         async with cluster.build_tree(cfg, layout) as tree:
             await tree.wait()
             snap = await tree.snapshot()
@@ -109,15 +111,25 @@ async def test_broken_reward_function_drops_its_samples_and_nothing_restarts(tmp
     dropped_kinds = {how[uid] for uid in reward_failed & failing}
     assert dropped_kinds == {"raise", "nan", "hang"}, dropped_kinds
 
-    # The reward role said, for each failed sample, which one and why.
-    logged = {
-        e["uid"]: str(e["reason"])
+    # The reward role said, for each failed sample, which one and why: a warning, or (a
+    # repeat of the same reason held back by the rate limit) a debug line.
+    said = [
+        e
         for e in logs.json
         if e.get("actor") == "reward-0"
-        and e.get("level") == "warning"
         and {"uid", "reason"} <= e.keys()
-    }
+        and (e.get("level") == "warning" or e.get("held_back") is True)
+    ]
+    logged = {e["uid"]: str(e["reason"]) for e in said}
     assert logged, "no warning from the reward role names a failed sample and its reason"
+    # Identical warnings are rate-limited: one per reason per 30 s.
+    last_warned: dict[str, datetime] = {}
+    for e in said:
+        if e["level"] == "warning":
+            at = datetime.fromisoformat(e["timestamp"])
+            before = last_warned.get(str(e["reason"]))
+            assert before is None or (at - before).total_seconds() >= 29.0, e
+            last_warned[str(e["reason"])] = at
     # Each left the bus with its group, unless the run ended before the drop was sent.
     gone = set(ledger.dropped) | ledger.pending
     assert set(logged) <= failing & gone, sorted(set(logged) - (failing & gone))[:5]

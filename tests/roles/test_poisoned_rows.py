@@ -16,6 +16,8 @@ import pytest
 from relax.actors import ChildSpec, InProc
 from relax.bus import BusClient, BusService, SegmentLog
 from relax.roles._common import BAD_COLUMNS
+from relax.roles._critic import CriticRole
+from relax.roles._reference import ReferenceRole
 from relax.roles._reward import RewardRole
 from relax.roles._rollout import RolloutRole
 from relax.roles._trainer import TrainerRole
@@ -195,3 +197,49 @@ def test_a_producer_leaves_out_a_group_the_bus_would_refuse() -> None:
     assert [r["group"] for r in kept] == ["g0", "g0", "g2", "g2"]
     check_rows(kept)  # the rest goes in
     assert [e["group"] for e in logs] == ["g1"] and "not finite" in logs[0]["problem"]
+
+
+@pytest.mark.parametrize(
+    ("task", "written", "poison"),
+    [
+        ("reference", "ref_logprobs", {"response_ids": "the answer is 4"}),
+        ("critic", "values", {"reward": "high"}),
+    ],
+)
+async def test_the_reference_and_the_critic_drop_a_poisoned_group(
+    tmp_path: Path, task: str, written: str, poison: dict[str, Any]
+) -> None:
+    rows = sample_rows(6, reward=1.0)
+    rows[-1]["columns"]["response_ids"] = [7]
+    rows[-1]["columns"]["logprobs"] = [-1.0]
+    rows[2]["columns"].update(poison)  # group g1, between two good groups
+    plant(tmp_path / "samples", rows)
+    bus, url = bus_spec([task, "train"], tmp_path)
+    kwargs: dict[str, Any] = {
+        "config": config(),
+        "samples_url": url,
+        "model_dir": str(tiny_model(tmp_path)),
+    }
+    if task == "critic":
+        role_class, kwargs["run_dir"] = CriticRole, str(tmp_path / "run")
+    else:
+        role_class = ReferenceRole
+    sup = await start([bus, ChildSpec(f"{task}-0", role_class, kwargs=kwargs, placement=InProc())])
+    try:
+        async with await BusClient.connect(url) as client:
+
+            async def scored() -> Any:
+                batch = await client.take_batch(
+                    "train", batch_size=8, columns=[written], min_rows=4, wait=1
+                )
+                if batch.rows:
+                    await client.ack(batch)
+                return batch.rows
+
+            got = await until(scored, f"{written} of the good groups")
+            stats = await client.statistics()
+        assert sorted(r["uid"] for r in got) == ["g0/0", "g0/1", "g2/0", "g2/1"]
+        assert stats["counters"][f"dropped_{BAD_COLUMNS}"] == 2  # the poisoned group, counted
+        assert restarts(await sup.snapshot(), f"{task}-0") == 0
+    finally:
+        await sup.__aexit__(None, None, None)

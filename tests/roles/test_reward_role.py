@@ -134,10 +134,14 @@ def test_circuit_breaker_of_zero_never_trips() -> None:
 
 class Log:
     def __init__(self) -> None:
-        self.lines: list[tuple[str, dict]] = []
+        self.lines: list[tuple[str, dict]] = []  # warnings
+        self.debugs: list[tuple[str, dict]] = []
 
     def warning(self, event: str, **fields) -> None:
         self.lines.append((event, fields))
+
+    def debug(self, event: str, **fields) -> None:
+        self.debugs.append((event, fields))
 
 
 def test_throttle_logs_a_repeated_warning_once_per_interval_with_a_count() -> None:
@@ -147,6 +151,9 @@ def test_throttle_logs_a_repeated_warning_once_per_interval_with_a_count() -> No
     for i in range(10_000):
         throttle.warning("same reason", "reward failed", uid=f"u{i}")
     assert len(log.lines) == 1 and log.lines[0][1] == {"uid": "u0"}
+    # Each held-back one still names its sample, at debug level.
+    assert [f["uid"] for _, f in log.debugs] == [f"u{i}" for i in range(1, 10_000)]
+    assert all(f["held_back"] is True for _, f in log.debugs)
     now[0] = 31.0
     throttle.warning("same reason", "reward failed", uid="late")
     assert log.lines[-1][1] == {"uid": "late", "repeated": 9_999}
@@ -158,7 +165,7 @@ def test_throttle_limits_distinct_warnings_per_interval() -> None:
     throttle = WarningThrottle(log, interval=30.0, burst=5, clock=lambda: now[0])
     for i in range(1000):  # a message that differs every time
         throttle.warning(f"boom {i}", "reward failed")
-    assert len(log.lines) == 5
+    assert len(log.lines) == 5 and len(log.debugs) == 995
     now[0] = 40.0
     throttle.warning("another", "reward failed")
     assert log.lines[-1][1] == {"not_logged": 995}
