@@ -113,7 +113,8 @@ async def _supervise(
         note=reporter.note,
         stop_cleanly=lambda: _request_stop(run_dir, work, sync),
         leave=work.cancel,
-        resume_text=resume_text,
+        # Asked at the third Ctrl-C: a run that has trained no step has nothing to resume.
+        resume_text=lambda: resume_text if _trained_a_step(run_dir) else "",
     )
     async with signals:
         watcher = asyncio.create_task(metrics.follow())
@@ -146,6 +147,12 @@ async def _request_stop(run_dir: Path, work: asyncio.Task[Any], sync: bool) -> N
         await control_request(run_dir, {"op": "stop"}, timeout=10)
     except (ClusterNotRunning, RelaxError, OSError):
         work.cancel()  # not serving yet (still preparing): leaving early stops what started
+
+
+def _trained_a_step(run_dir: Path) -> bool:
+    from relax.control import read_metrics
+
+    return any(int(r.get("step", 0)) > 0 for r in read_metrics(run_dir))
 
 
 def _report(cfg: ClusterConfig, run_dir: Path, outcome: Outcome, resume_text: str) -> int:

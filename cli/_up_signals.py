@@ -56,7 +56,8 @@ class StopLevels:
 
     ``stop_cleanly`` makes the coroutine of a clean stop (run as a task; cancelled if still
     running at the end), ``leave`` cancels the run, ``note`` tells the user, ``resume_text``
-    is the last thing said before exiting at once.
+    gives the last thing said before exiting at once (asked then: empty while no step was
+    trained, as such a run has nothing to resume).
     """
 
     def __init__(
@@ -65,7 +66,7 @@ class StopLevels:
         note: Callable[[str], None],
         stop_cleanly: Callable[[], Coroutine[Any, Any, None]],
         leave: Callable[[], object],
-        resume_text: str,
+        resume_text: Callable[[], str],
     ) -> None:
         self.note, self.stop_cleanly, self.leave = note, stop_cleanly, leave
         self.resume_text = resume_text
@@ -88,7 +89,8 @@ class StopLevels:
             self.note("stopping faster: leaving the run (Ctrl-C again to exit at once)")
             self.leave()
         else:
-            self.note(f"exiting at once; {self.resume_text}")
+            text = self.resume_text()
+            self.note(f"exiting at once; {text}" if text else "exiting at once")
             os._exit(EXIT_INTERRUPTED)
 
     async def __aenter__(self) -> StopLevels:

@@ -1,5 +1,5 @@
-"""Files of a run folder that more than one part of Relax reads or writes, kept free of heavy
-imports: ``relax status`` and the control endpoint use them without importing torch.
+"""Files that parts of Relax on different floors share, kept free of heavy imports:
+``relax status`` and the control endpoint use them without importing torch.
 
 ``PAUSE_FILE``: present while generation is paused. The control endpoint writes it before it
 tells the rollouts, and a rollout reads it when it starts, so one restarted while the run is
@@ -32,3 +32,10 @@ def set_pause_requested(run_dir: str | Path, paused: bool) -> None:
     with os.fdopen(fd, "w") as f:
         json.dump({"paused": True}, f)
     tmp.replace(path)
+
+
+GANG_RENDEZVOUS_ENV = "RELAX_GANG_RENDEZVOUS"
+"""Names a folder (one per start of a gang, removed with it) where the gang's rank 0 writes
+the port of the store it listens on — bound to port 0, the kernel's pick, so no other process
+can take it first — and where the other ranks read it. Set by the process placement
+(``relax.actors``), read by ``relax.training``'s ``init_world``."""

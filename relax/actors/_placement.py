@@ -8,7 +8,9 @@ placement (actors on other machines) can be added without touching any actor's c
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
+import tempfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -18,6 +20,7 @@ from relax.actors._cell import Cell
 from relax.actors._exit import Exit
 from relax.actors._process import ProcessMember, ProcessOptions
 from relax.errors import StartFailed
+from relax.runfiles import GANG_RENDEZVOUS_ENV
 
 if TYPE_CHECKING:
     from relax.actors._spec import ChildSpec
@@ -84,7 +87,21 @@ class Process(ProcessOptions):
             ) from None
 
     async def launch(self, spec: ChildSpec) -> Incarnation:
-        gang_env = _gang_env(spec.gang)
+        # A gang meets in a folder of its own (see GANG_RENDEZVOUS_ENV), gone with the gang.
+        rendezvous = tempfile.mkdtemp(prefix="relax-gang-") if spec.gang > 1 else None
+        try:
+            incarnation = await self._launch(spec, _gang_env(spec.gang, rendezvous))
+        except BaseException:
+            if rendezvous is not None:
+                shutil.rmtree(rendezvous, ignore_errors=True)
+            raise
+        if rendezvous is not None:
+            incarnation.done.add_done_callback(
+                lambda _: shutil.rmtree(rendezvous, ignore_errors=True)
+            )
+        return incarnation
+
+    async def _launch(self, spec: ChildSpec, gang_env: dict[str, str]) -> Incarnation:
 
         def starter(rank: int) -> Any:
             async def start(_: int) -> Member:
@@ -106,17 +123,23 @@ class Process(ProcessOptions):
         return await Incarnation.launch(spec.id, [starter(r) for r in range(spec.gang)])
 
 
-def _gang_env(size: int) -> dict[str, str]:
-    """torch.distributed's env:// rendezvous for a gang, so ranks can form a world."""
+def _gang_env(size: int, rendezvous: str | None) -> dict[str, str]:
+    """The environment of a gang's members: ``WORLD_SIZE`` and friends, the rendezvous folder,
+    and ``MASTER_ADDR``/``MASTER_PORT`` for members' own ``env://`` code. That port was free
+    when it was picked here, but another process may take it before rank 0 binds it (bind,
+    close, rebind is a race); ``GANG_RENDEZVOUS_ENV`` has none."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return {
+    env = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(size),
         "LOCAL_WORLD_SIZE": str(size),
     }
+    if rendezvous is not None:
+        env[GANG_RENDEZVOUS_ENV] = rendezvous
+    return env
 
 
 class Incarnation:

@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from relax.config import AlgorithmConfig, TrainerConfig
+from relax.runfiles import GANG_RENDEZVOUS_ENV
 from relax.training import _checkpoint as ckpt
 from relax.training._objective import check_supported
 from relax.training._torch import _MAX_METRICS, SafeStepBackend
@@ -54,6 +56,8 @@ DS_TAG = "deepspeed"
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=24)
 """How long a rank waits in a collective: ranks above 0 wait for rank 0's next command while
 rank 0 waits for rollouts, which may take long. A dead rank ends the whole gang anyway."""
+STORE_TIMEOUT = datetime.timedelta(minutes=5)
+"""How long a gang's ranks wait for each other to meet (starting means importing torch)."""
 _PRECISIONS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -83,7 +87,18 @@ def init_world(rank: int | None = None, world_size: int | None = None) -> tuple[
         rank = int(os.environ.get("RANK", "0"))
     os.environ.setdefault("LOCAL_RANK", str(rank))
     backend = "gloo" if not torch.cuda.is_available() else "nccl"
-    if world_size > 1:
+    rendezvous = os.environ.get(GANG_RENDEZVOUS_ENV)
+    if world_size > 1 and rendezvous:
+        # A Relax gang: rank 0's store listens on a port the kernel picked, announced in the
+        # gang's rendezvous folder (a port picked free and bound again later is a race).
+        dist.init_process_group(
+            backend,
+            store=_gang_store(Path(rendezvous), rank, world_size),
+            rank=rank,
+            world_size=world_size,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
+    elif world_size > 1:  # a launcher's env:// rendezvous (torchrun, deepspeed)
         dist.init_process_group(
             backend,
             init_method="env://",
@@ -102,6 +117,31 @@ def init_world(rank: int | None = None, world_size: int | None = None) -> tuple[
             timeout=COLLECTIVE_TIMEOUT,
         )
     return rank, world_size
+
+
+def _gang_store(folder: Path, rank: int, world_size: int) -> dist.TCPStore:
+    """The store a gang's world meets on: rank 0 listens on port 0 and writes the port it got
+    to ``folder/port`` (atomically); the other ranks wait for that file, then connect. Sets
+    ``MASTER_PORT`` to the real port, for code that reads it later."""
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port_file = folder / "port"
+    if rank == 0:
+        store = dist.TCPStore(
+            host, 0, world_size, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False
+        )
+        partial = folder / f"port.{os.getpid()}.partial"
+        partial.write_text(str(store.port))
+        partial.replace(port_file)
+    else:
+        deadline = time.monotonic() + STORE_TIMEOUT.total_seconds()
+        while not port_file.exists():  # rank 0 is starting (importing torch, binding)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank 0 never announced its store in {folder}")
+            time.sleep(0.05)
+        port = int(port_file.read_text())
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=STORE_TIMEOUT)
+    os.environ["MASTER_PORT"] = str(store.port)
+    return store
 
 
 def _device() -> torch.device:

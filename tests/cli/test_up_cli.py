@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from relax.cli import app
+from relax.cli import _up_signals, app
 from relax.cli._up_progress import (
     PlainReporter,
     RichReporter,
@@ -27,7 +27,7 @@ from relax.cli._up_progress import (
     staleness_of,
 )
 from relax.cli._up_run_folder import resume_hint, write_run_info
-from relax.cli._up_signals import SignalRouting
+from relax.cli._up_signals import SignalRouting, StopLevels
 from relax.cli._up_stderr import StderrPump
 from relax.config import parse_config
 from tests.tiny import MODEL_INIT, tiny_toml
@@ -321,3 +321,37 @@ def test_ctrl_c_in_a_terminal_stops_the_tree_and_says_how_to_resume(tmp_path) ->
     ]
     assert stopped and stopped[-1]["how"] == "stopped by its supervisor"
     assert sorted((run / "checkpoints").glob("step-*"))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("trained", "said"),
+    [(False, "exiting at once"), (True, "exiting at once; resume with: relax up c.toml --resume")],
+)
+async def test_the_third_ctrl_c_names_a_resume_only_when_a_step_was_trained(
+    monkeypatch, trained: bool, said: str
+) -> None:
+    class Exited(Exception):
+        pass
+
+    def exit_now(code: int) -> None:
+        raise Exited(code)
+
+    monkeypatch.setattr(_up_signals.os, "_exit", exit_now)
+    notes: list[str] = []
+
+    async def stop_cleanly() -> None:
+        pass
+
+    levels = StopLevels(
+        note=notes.append,
+        stop_cleanly=stop_cleanly,
+        leave=lambda: None,
+        resume_text=lambda: "resume with: relax up c.toml --resume" if trained else "",
+    )
+    async with levels:
+        levels.on_signal(signal.SIGINT)
+        levels.on_signal(signal.SIGINT)
+        with pytest.raises(Exited, match="130"):
+            levels.on_signal(signal.SIGINT)
+    assert notes[-1] == said
