@@ -210,12 +210,23 @@ def _exit_to_wire(cause: object) -> Any:
     return None
 
 
+_exit_decoder: Any = None
+"""How an ``Exit`` is rebuilt from a peer's dict: the actor runtime (a floor above this module,
+which it must not import) registers it when it is imported (``register_exit_decoder``)."""
+
+
+def register_exit_decoder(decode: Any) -> None:
+    """Called by ``relax.actors`` with its checked ``Exit`` builder."""
+    global _exit_decoder
+    _exit_decoder = decode
+
+
 def _exit_from_wire(data: Any) -> Any:
     if not isinstance(data, dict) or not isinstance(data.get("exit"), dict):
         return None
-    from relax.actors._protocol import exit_from_wire  # the actor runtime imports this module
-
-    return exit_from_wire(data["exit"])
+    # Without the actor runtime in this process, nothing here could use an Exit: the plain
+    # fields are kept as they came.
+    return _exit_decoder(data["exit"]) if _exit_decoder is not None else dict(data["exit"])
 
 
 class CallTimeout(RelaxError, TimeoutError):

@@ -21,7 +21,7 @@ from typing import Any, get_args
 import pynng
 
 from relax.actors._exit import Exit, ExitKind
-from relax.errors import PeerGone, TransportError
+from relax.errors import PeerGone, TransportError, register_exit_decoder
 from relax.transport import dumps, loads
 
 ENV_ADDR = "RELAX_HOST_ADDR"
@@ -94,3 +94,6 @@ def exit_from_wire(data: Any) -> Exit:
         return Exit(**fields)
     except TypeError:
         return Exit("exception", str(data.get("message", "")))
+
+
+register_exit_decoder(exit_from_wire)
