@@ -13,6 +13,7 @@ ALLOWED_LIBS = {"torch", "transformers", "safetensors", "deepspeed"}
 ALLOWED_RELAX = (
     "relax.algos",
     "relax.errors",
+    "relax.runfiles",  # standard library only: the gang's rendezvous folder
     "relax.config",
     "relax.training",
     # Engines share this floor; training needs exactly what generation did with media (how a
