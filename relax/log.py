@@ -126,21 +126,44 @@ def log_files(log_dir: str | Path | None) -> Iterator[Path | None]:
     if folder is not None:
         Path(folder).mkdir(parents=True, exist_ok=True)
     token = _log_dir.set(folder)
-    had, before = ENV_LOG_DIR in os.environ, os.environ.get(ENV_LOG_DIR)
-    if folder is None:
-        os.environ.pop(ENV_LOG_DIR, None)
-    else:
-        os.environ[ENV_LOG_DIR] = folder
+    entry = object()
+    if not _env_contexts:  # the first of the active contexts: remember what was there
+        _env_before[:] = [ENV_LOG_DIR in os.environ, os.environ.get(ENV_LOG_DIR)]
+    _env_contexts.append((entry, folder))
+    _set_env(folder)
     try:
         yield None if folder is None else Path(folder)
     finally:
         _log_dir.reset(token)
-        if had:
-            os.environ[ENV_LOG_DIR] = before or ""
+        # Contexts of concurrent runs (two clusters in one event loop) may end in any order:
+        # the variable names the newest context still active, or goes back to what it was.
+        _env_contexts[:] = [c for c in _env_contexts if c[0] is not entry]
+        if _env_contexts:
+            _set_env(_env_contexts[-1][1])
         else:
-            os.environ.pop(ENV_LOG_DIR, None)
+            had, before = _env_before
+            _set_env(before or "" if had else None)
         if folder is not None:
             _files.close(folder)
+
+
+_env_contexts: list[tuple[object, str | None]] = []
+"""The ``log_files`` contexts active in this process, oldest first."""
+_env_before: list[Any] = [False, None]
+"""Whether ``RELAX_LOG_DIR`` was set, and to what, before the oldest active context."""
+
+
+def _set_env(folder: str | None) -> None:
+    if folder is None:
+        os.environ.pop(ENV_LOG_DIR, None)
+    else:
+        os.environ[ENV_LOG_DIR] = folder
+
+
+def child_log_dir() -> str | None:
+    """The log folder a child process started by this task should write to: this task's
+    ``log_files`` context's (the environment variable may name a concurrent run's)."""
+    return _log_dir.get() or os.environ.get(ENV_LOG_DIR)
 
 
 def configure_logging(

@@ -3,6 +3,7 @@ run, one JSON file per actor in ``RUN_DIR/logs/``."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -142,6 +143,42 @@ def test_log_files_restore_the_environment(tmp_path, monkeypatch) -> None:
             assert ENV_LOG_DIR not in os.environ
         assert os.environ[ENV_LOG_DIR] == str((tmp_path / "a").resolve())
     assert os.environ[ENV_LOG_DIR] == "/somewhere/else"
+
+
+def test_concurrent_runs_ending_out_of_order_restore_the_environment(tmp_path, monkeypatch):
+    """Two runs in one process (two clusters in one event loop): the first to start ends first.
+    The variable must not be left naming either run (it used to keep the first one's)."""
+    monkeypatch.delenv(ENV_LOG_DIR, raising=False)
+    first, second = log_files(tmp_path / "a"), log_files(tmp_path / "b")
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert os.environ[ENV_LOG_DIR] == str((tmp_path / "b").resolve())  # b is still running
+    second.__exit__(None, None, None)
+    assert ENV_LOG_DIR not in os.environ
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_a_child_process_writes_to_its_own_runs_folder(tmp_path, monkeypatch) -> None:
+    """A child started by run a while run b (started later, still going) owns the variable:
+    the child's lines go to a's folder, which is where its supervisor's context says."""
+    monkeypatch.delenv(ENV_LOG_DIR, raising=False)
+    with log_files(tmp_path / "a"):
+
+        async def start_in_a() -> None:
+            async with Supervisor(
+                [ChildSpec("worker", Chatty, placement=Process())], name="tree"
+            ) as sup:
+                await sup.ref("worker").call("say", "hello")
+
+        task = asyncio.ensure_future(start_in_a())  # a's context: tasks copy it
+        with log_files(tmp_path / "b"):  # as a concurrent run would: the variable says b
+            assert os.environ[ENV_LOG_DIR] == str((tmp_path / "b").resolve())
+            await task
+    said = [e for e in file_lines(tmp_path / "a" / "worker.jsonl") if e["event"] == "said"]
+    assert said and said[0]["pid"] != os.getpid()
+    assert not (tmp_path / "b" / "worker.jsonl").exists()
 
 
 @pytest.mark.anyio

@@ -31,7 +31,7 @@ from relax.actors._cell import await_reply, fail
 from relax.actors._exit import Exit
 from relax.actors._protocol import ENV_ADDR, ENV_TOKEN, Channel, exit_from_wire
 from relax.errors import ActorDead, RelaxError, StartFailed, TransportError, error_from_dict
-from relax.log import get_logger
+from relax.log import ENV_LOG_DIR, child_log_dir, get_logger
 
 log = get_logger("relax.actors")
 
@@ -122,6 +122,10 @@ class ProcessMember:
         self._channel = Channel(sock, f"supervisor->{self.actor_id}/{self.rank}")
         token = secrets.token_hex(16)
         env = {**os.environ, **self._gang_env, **dict(opts.env)}
+        # This run's log folder, not whatever a concurrent run in this process set last.
+        log_dir = child_log_dir()
+        if log_dir is not None and ENV_LOG_DIR not in opts.env:
+            env[ENV_LOG_DIR] = log_dir
         env[ENV_ADDR], env[ENV_TOKEN] = addr, token
         # The child must import what this process can import (tests, user modules), but a
         # folder of ours must never shadow the standard library or an installed package in
