@@ -163,6 +163,7 @@ class BusTable:
         self.batch_size = batch_size
         self.dedup_window = dedup_window
         self.rows: OrderedDict[str, Row] = OrderedDict()
+        self._trained_on_bus = 0  # rows the trainer acked that another task still holds
         self.groups: dict[str, list[str]] = {}
         self.leases: dict[int, Lease] = {}
         self.admissions: dict[str, Admission] = {}
@@ -191,8 +192,7 @@ class BusTable:
         """Rows on the bus the trainer has not acked. A row it trained on may stay a while
         (until another task, the critic say, acks it too); it is counted in ``trained``
         already, and counting it again would pace producers on rows consumed twice."""
-        task = self.trainer_task
-        return sum(1 for r in self.rows.values() if r.progress[task][0] != "acked")
+        return len(self.rows) - self._trained_on_bus
 
     def room(self) -> int:
         """Rows that can still be put or admitted before the bus is full."""
@@ -672,6 +672,7 @@ class BusTable:
         self.counters[f"acked_{task}"] += 1
         if task == self.trainer_task:
             self.counters["trained"] += 1
+            self._trained_on_bus += 1  # until _remove takes the row off the bus
         if all(state[0] == "acked" for state in row.progress.values()):
             self._remove(uid, finished=True)
 
@@ -688,6 +689,8 @@ class BusTable:
         row = self.rows.pop(uid, None)
         if row is None:
             return
+        if row.progress[self.trainer_task][0] == "acked":
+            self._trained_on_bus -= 1
         for task in self.tasks:
             if row.progress[task][0] == "leased":
                 lease = self.leases.get(row.progress[task][2])

@@ -179,6 +179,11 @@ def test_a_row_trained_on_but_not_yet_done_by_another_task_is_counted_once() -> 
     assert t.admit("c", 1, version=1, now=0, timeout=60)[1] == "ok"
     assert t.admit("d", 1, version=1, now=0, timeout=60)[1] == "ok"
     assert t.admit("e", 1, version=1, now=0, timeout=60)[1] == "ahead"
+    assert t.queued_for_trainer() == 0
+    t.ack("critic", list(critic.items.items()))  # now finished: they leave the bus
+    assert not t.rows and t.queued_for_trainer() == 0
+    t.put(rows("c", 1))
+    assert t.queued_for_trainer() == 1
 
 
 def test_admission_is_bounded_by_capacity_when_fully_async() -> None:
