@@ -220,7 +220,8 @@ class StepCosts:
     response_tokens: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        from relax.engines import build_tiny_model, load_policy, open_engine, stop_token_ids
+        from relax.engines import open_engine
+        from relax.models import build_tiny_model, load_policy, stop_token_ids
         from relax.rewards import RewardSet
         from relax.roles._prompts import prompt_stream
         from relax.training import TorchBackend
@@ -244,6 +245,8 @@ class StepCosts:
 
     async def one(self) -> None:
         """Generate one step's samples (timed), score them, train on them (timed)."""
+        from relax.engines import SamplingParams
+
         cfg = self.cfg
         n = cfg.data.n_samples_per_prompt
         per_step = cfg.trainer.global_batch_size // n
@@ -255,16 +258,11 @@ class StepCosts:
             for i in items
         ]
         started = time.perf_counter()
+        params = SamplingParams.from_rollout(cfg.rollout, n=n, stop_token_ids=self.stops)
         gens = []
         for start in range(0, len(prompt_ids), cfg.rollout.batch_size):  # as the rollout calls it
             gens += await self.engine.generate(
-                prompt_ids[start : start + cfg.rollout.batch_size],
-                max_new_tokens=cfg.rollout.max_new_tokens,
-                temperature=cfg.rollout.temperature,
-                top_p=cfg.rollout.top_p,
-                top_k=cfg.rollout.top_k,
-                stop_token_ids=self.stops,
-                n=n,
+                prompt_ids[start : start + cfg.rollout.batch_size], params
             )
         self.gen_s.append(time.perf_counter() - started)
         rows = []

@@ -1,7 +1,7 @@
 """Relax against TRL's ``GRPOTrainer`` on the same model, task, group size and batch.
 
 The work of one step is the same on both sides: the digits recipe's tiny Qwen2 (built from
-``examples/digits/cluster.toml``'s ``[model.init]`` with ``relax.engines.build_tiny_model``,
+``examples/digits/cluster.toml``'s ``[model.init]`` with ``relax.models.build_tiny_model``,
 identical weights), the built-in one-digit additions (``relax.roles._prompts``), 4 prompts x 8
 samples = 32 completions per step of at most ``rollout.max_new_tokens`` tokens, temperature 1,
 GRPO advantages, PPO-clip loss with token aggregation, no KL, AdamW at a constant learning
@@ -81,7 +81,7 @@ def trl_worker(spec: dict) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from relax.engines import build_tiny_model, load_policy
+    from relax.models import build_tiny_model, load_policy
     from relax.rewards import BuildContext, build_verifier
     from relax.roles._prompts import prompt_stream
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from relax.cli._app import app
-from relax.cli._runs import resolve_run_dir
+from relax.cli._runs import RunDirOption, resolve_run_dir
 
 ckpt_app = typer.Typer(
     name="ckpt",
@@ -55,7 +55,7 @@ class Checkpoint:
 def checkpoints_dir(run: Path) -> Path:
     """Where the run's trainer checkpoints are: ``checkpoint.dir`` as recorded by ``relax up``
     in ``run.json``, else ``RUN_DIR/checkpoints``."""
-    from relax.cli._up import read_run_info
+    from relax.cli._up_run_folder import read_run_info
 
     recorded = read_run_info(run).get("checkpoint_dir")
     return Path(recorded) if recorded else run / CHECKPOINTS
@@ -104,9 +104,7 @@ def human_size(n: float) -> str:
 
 @ckpt_app.command("list")
 def list_command(
-    run_dir: Annotated[
-        Path | None, typer.Option(help="The run folder (default: the newest run under ./runs).")
-    ] = None,
+    run_dir: RunDirOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print them as a JSON list.")] = False,
 ) -> None:
     """List the run's checkpoints: step, trainer version, size, when it was saved."""
@@ -168,7 +166,7 @@ def find_checkpoint(run: Path, which: str) -> Checkpoint:
 def tokenizer_source(run: Path) -> Path | str | None:
     """Where the run's tokenizer files are: the folder the config named (``model.tokenizer``,
     or ``model.path``), the run's own ``model/`` folder, or ``"byte"`` (the built-in one)."""
-    from relax.cli._up import read_run_info
+    from relax.cli._up_run_folder import read_run_info
 
     recorded = read_run_info(run).get("tokenizer")
     if recorded and recorded != "byte" and Path(recorded).is_dir():
@@ -200,7 +198,7 @@ def export_checkpoint(checkpoint: Path, run: Path, out: Path) -> list[str]:
                 shutil.copy2(source / name, out / name)
                 written.append(name)
     elif source == "byte":
-        from relax.engines._models import build_byte_tokenizer
+        from relax.models import build_byte_tokenizer
 
         config = json.loads((out / "config.json").read_text()) if "config.json" in written else {}
         tokenizer = build_byte_tokenizer(int(config.get("max_position_embeddings", 1024)))
@@ -227,9 +225,7 @@ def export_command(
         ),
     ],
     out_dir: Annotated[Path, typer.Argument(metavar="OUT_DIR", help="The folder to write.")],
-    run_dir: Annotated[
-        Path | None, typer.Option(help="The run folder (default: the newest run under ./runs).")
-    ] = None,
+    run_dir: RunDirOption = None,
     force: Annotated[
         bool, typer.Option("--force", help="Write into OUT_DIR even if it is not empty.")
     ] = False,

@@ -1,4 +1,5 @@
-"""`relax demo`: run the demo supervisor tree (the main job until the RL roles exist)."""
+"""`relax demo`: run a demo of the supervisor tree (the actor runtime alone, no RL roles; the
+main job is `relax up CLUSTER_TOML`, see the README)."""
 
 from __future__ import annotations
 

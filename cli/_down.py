@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shlex
 import signal
@@ -25,7 +24,16 @@ from typing import Annotated, Any
 import typer
 
 from relax.cli._app import app
-from relax.cli._runs import resolve_run_dir
+from relax.cli._ckpt import list_checkpoints
+from relax.cli._runs import (
+    DEFAULT_RUNS,
+    RunDirOption,
+    cluster_running,
+    is_run_dir,
+    resolve_run_dir,
+)
+from relax.cli._up_run_folder import UP_PID, read_run_info
+from relax.runfiles import CONTROL_FILE, read_control
 
 GRACE_S = 10.0
 """Seconds between SIGTERM and SIGKILL."""
@@ -129,8 +137,6 @@ def _force(pid: int, started: int | None, what: str, grace: float | None = None)
 
 
 def resume_command(run: Path) -> str:
-    from relax.cli._up import read_run_info
-
     info = read_run_info(run)
     argv = ["relax", "up", info.get("cluster_toml") or "CLUSTER_TOML", "--resume", "--run-dir"]
     argv.append(str(run))
@@ -140,26 +146,12 @@ def resume_command(run: Path) -> str:
 
 
 def _checkpoint_line(run: Path) -> str | None:
-    from relax.cli._ckpt import list_checkpoints
-
     found = list_checkpoints(run)
     return f"latest checkpoint: step {found[-1].step} ({found[-1].path})" if found else None
 
 
-def _read_control(run: Path) -> dict[str, Any] | None:
-    from relax.control import CONTROL_FILE
-
-    try:
-        info = json.loads((run / CONTROL_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return info if isinstance(info, dict) and isinstance(info.get("pid"), int) else None
-
-
 def _starting_pid(run: Path) -> int | None:
     """The pid of a ``relax up --detach`` child that has not served its control endpoint yet."""
-    from relax.cli._up import UP_PID
-
     try:
         pid = int((run / UP_PID).read_text().strip())
     except (OSError, ValueError):
@@ -176,9 +168,6 @@ def _starting_pid(run: Path) -> int | None:
 def _running_run() -> Path | None:
     """Without --run-dir: the one run under ./runs whose cluster is alive (None: let
     ``resolve_run_dir`` pick the newest run); several running ones must be chosen from."""
-    from relax.cli._logs import cluster_running
-    from relax.cli._runs import DEFAULT_RUNS, is_run_dir
-
     runs = DEFAULT_RUNS
     found = sorted(p for p in runs.glob("*") if is_run_dir(p) and cluster_running(p))
     if len(found) > 1:
@@ -204,10 +193,7 @@ def _request(run: Path, payload: dict[str, Any], timeout: float) -> Any:
 
 @app.command("down")
 def down(
-    run_dir: Annotated[
-        Path | None,
-        typer.Option(help="The run folder (default: the newest run under ./runs)."),
-    ] = None,
+    run_dir: RunDirOption = None,
     timeout: Annotated[
         float,
         typer.Option(
@@ -223,13 +209,12 @@ def down(
     --timeout the cluster is terminated (SIGTERM), then killed (SIGKILL). Every process the
     run had (from a status snapshot) is checked to be gone.
     """
-    from relax.control import CONTROL_FILE
     from relax.errors import RelaxError
 
     run = run_dir if run_dir is not None else _running_run()
     run = resolve_run_dir(run)
-    info = _read_control(run)
-    if info is None or not alive(info["pid"]):
+    info = read_control(run)
+    if info is None or not alive(info.pid):
         starting = _starting_pid(run) if info is None else None
         if starting is not None:
             _force(starting, process_start(starting), f"the cluster of {run} is still starting")
@@ -242,7 +227,7 @@ def down(
         why = (
             f"no {CONTROL_FILE}"
             if info is None
-            else f"its {CONTROL_FILE} names pid {info['pid']}, which is gone"
+            else f"its {CONTROL_FILE} names pid {info.pid}, which is gone"
         )
         typer.echo(f"nothing to stop: no cluster is running in {run} ({why})")
         line = _checkpoint_line(run)
@@ -251,8 +236,8 @@ def down(
             typer.echo(f"resume with: {resume_command(run)}")
         return
 
-    pid = int(info["pid"])
-    name = info.get("cluster", run.name)
+    pid = info.pid
+    name = info.cluster or run.name
     pids = {pid}
     answers = True
     try:

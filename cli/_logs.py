@@ -28,7 +28,7 @@ from typing import Annotated, Any
 import typer
 
 from relax.cli._app import app
-from relax.cli._runs import resolve_run_dir
+from relax.cli._runs import RunDirOption, cluster_running, resolve_run_dir
 
 LOGS_DIR = "logs"
 CLUSTER_LOG = "cluster"
@@ -248,20 +248,6 @@ def _select(
         yield record
 
 
-def cluster_running(run_dir: Path) -> bool:
-    """Whether the run's cluster is alive (its control.json names a live pid)."""
-    from relax.control import CONTROL_FILE
-
-    try:
-        info = json.loads((run_dir / CONTROL_FILE).read_text())
-        os.kill(int(info["pid"]), 0)
-    except PermissionError:
-        return True
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return True
-
-
 def _complete_actor(ctx: typer.Context, incomplete: str) -> list[str]:
     """Actor ids (and role names) of the run in --run-dir, or of the newest run."""
     from relax.cli._runs import newest_run
@@ -288,10 +274,7 @@ def logs(
             autocompletion=_complete_actor,
         ),
     ] = None,
-    run_dir: Annotated[
-        Path | None,
-        typer.Option(help="The run folder (default: the newest run under ./runs)."),
-    ] = None,
+    run_dir: RunDirOption = None,
     follow: Annotated[
         bool,
         typer.Option(

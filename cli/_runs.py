@@ -1,20 +1,35 @@
 """Finding a run folder: `relax status`, `logs`, `down`, `plot` and `ckpt` default to the most
-recent run under ``./runs`` (the default ``cluster.run_dir``) when ``--run-dir`` is not given."""
+recent run under ``./runs`` (the default ``cluster.run_dir``) when ``--run-dir`` is not given.
+
+``RunDirOption`` is that ``--run-dir`` option, declared once for every command that takes it
+(``run_dir_option`` gives it another help text: ``relax up`` picks a new folder by default)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Any
 
 import typer
+
+from relax.runfiles import CONTROL_FILE, read_control
 
 DEFAULT_RUNS = Path("runs")
 """Where runs live unless a cluster.toml says otherwise (``cluster.run_dir``)."""
 
 
+def run_dir_option(help: str = "The run folder (default: the newest run under ./runs).") -> Any:
+    """The ``--run-dir`` option (a ``typer.Option``), with ``help`` as its help text."""
+    return typer.Option("--run-dir", help=help)
+
+
+RunDirOption = Annotated[Path | None, run_dir_option()]
+"""``run_dir: RunDirOption = None``: the run folder a command works on (None: the newest)."""
+
+
 def is_run_dir(path: Path) -> bool:
     """Whether ``path`` looks like a run folder (a cluster wrote into it)."""
     return path.is_dir() and any(
-        (path / name).exists() for name in ("control.json", "metrics.jsonl", "model", "samples")
+        (path / name).exists() for name in (CONTROL_FILE, "metrics.jsonl", "model", "samples")
     )
 
 
@@ -58,6 +73,12 @@ def process_alive(pid: object) -> bool:
     return True
 
 
+def cluster_running(run_dir: Path) -> bool:
+    """Whether the run's cluster is alive (its ``control.json`` names a live pid)."""
+    control = read_control(run_dir)
+    return control is not None and process_alive(control.pid)
+
+
 def run_outcome(run_dir: Path) -> tuple[str, bool]:
     """How the run of ``run_dir`` stands when no cluster answers there, from what the run
     folder recorded: ``(one line, ended)``. ``ended`` is False while the ``relax up`` that
@@ -67,7 +88,7 @@ def run_outcome(run_dir: Path) -> tuple[str, bool]:
     own report of how it ended)."""
     import json
 
-    from relax.control import CONTROL_FILE, read_metrics
+    from relax.control import read_metrics
 
     info: dict = {}
     try:
@@ -75,24 +96,19 @@ def run_outcome(run_dir: Path) -> tuple[str, bool]:
         info = loaded if isinstance(loaded, dict) else {}
     except (OSError, ValueError):
         pass
-    control: dict = {}
-    try:
-        loaded = json.loads((run_dir / CONTROL_FILE).read_text())
-        control = loaded if isinstance(loaded, dict) else {}
-    except (OSError, ValueError):
-        pass
-    if control.get("pid") and process_alive(control["pid"]):
-        return f"the cluster (pid {control['pid']}) is running but does not answer", False
-    if not control and info.get("pid") and process_alive(info["pid"]):
+    control = read_control(run_dir)
+    if control is not None and process_alive(control.pid):
+        return f"the cluster (pid {control.pid}) is running but does not answer", False
+    if control is None and info.get("pid") and process_alive(info["pid"]):
         return f"the cluster (pid {info['pid']}) is starting or stopping: not serving yet", False
     records = [r for r in read_metrics(run_dir, last=200) if isinstance(r.get("step"), int)]
-    if not (records or info or control):
+    if not (records or info or control is not None):
         return f"no run has recorded anything in {run_dir} yet", True
     step = max((r["step"] for r in records), default=0)
     planned = info.get("steps")
     of = f" of {planned}" if isinstance(planned, int) else ""
-    if control:  # control.json left behind: its process did not get to remove it
-        state = f"its process (pid {control.get('pid')}) died at step {step}{of}"
+    if control is not None:  # control.json left behind: its process did not get to remove it
+        state = f"its process (pid {control.pid}) died at step {step}{of}"
     elif isinstance(planned, int) and step >= planned:
         state = f"finished all {planned} steps"
     elif records or isinstance(planned, int):

@@ -19,7 +19,7 @@ from typing import Annotated, Any
 import typer
 
 from relax.cli._app import app
-from relax.cli._runs import resolve_run_dir
+from relax.cli._runs import RunDirOption, resolve_run_dir
 
 EXIT_NOT_RUNNING = 1
 """Exit status when no live cluster answers for the run folder."""
@@ -42,10 +42,7 @@ async def fetch_status(run_dir: Path, *, history: int, timeout: float = 30) -> d
 
 @app.command("status")
 def status(
-    run_dir: Annotated[
-        Path | None,
-        typer.Option(help="The run folder (default: the newest run under ./runs)."),
-    ] = None,
+    run_dir: RunDirOption = None,
     as_json: Annotated[
         bool,
         typer.Option(

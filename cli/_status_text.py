@@ -8,11 +8,19 @@ from typing import Any
 
 from rich.text import Text
 
+from relax.schema import (
+    BusStatistics,
+    ChildSnapshot,
+    MetricRecord,
+    StatusSnapshot,
+    TreeSnapshot,
+)
+
 WINDOW = 10
 """How many recent applied steps the averages (step time, tokens/s) cover."""
 
 
-def plain_snapshot(snap: dict[str, Any]) -> str:
+def plain_snapshot(snap: StatusSnapshot) -> str:
     """One ``status`` reply as plain text (no escape codes): what ``relax status`` prints when
     its output is not a terminal — a pipe, a file, a CI log."""
     lines = [
@@ -71,7 +79,9 @@ def plain_snapshot(snap: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def flatten(tree: dict[str, Any], prefix: str = "", depth: int = 0) -> Iterator[Any]:
+def flatten(
+    tree: TreeSnapshot | ChildSnapshot, prefix: str = "", depth: int = 0
+) -> Iterator[tuple[str, int, ChildSnapshot]]:
     """``(id path, depth, child)`` of every child of a supervisor snapshot, depth first."""
     for child in tree.get("children") or []:
         path = f"{prefix}{child.get('id')}"
@@ -80,7 +90,7 @@ def flatten(tree: dict[str, Any], prefix: str = "", depth: int = 0) -> Iterator[
             yield from flatten(child, f"{path}/", depth + 1)
 
 
-def bus_summary(name: str, stats: dict[str, Any]) -> Text:
+def bus_summary(name: str, stats: BusStatistics) -> Text:
     """Two lines about one bus: capacity use, versions in flight, counters and drops."""
     text = Text()
     rows, capacity = int(stats.get("rows", 0)), int(stats.get("capacity") or 0)
@@ -126,7 +136,7 @@ def _version_key(item: tuple[str, Any]) -> float:
         return float("inf")
 
 
-def average(records: list[dict[str, Any]], key: str) -> str:
+def average(records: list[MetricRecord], key: str) -> str:
     """``"  (avg X)"`` over ``records`` that have ``key`` (``""`` for fewer than two)."""
     values = [float(r[key]) for r in records if r.get(key) is not None]
     return f"  (avg {fmt(sum(values) / len(values))})" if len(values) > 1 else ""

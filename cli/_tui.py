@@ -45,6 +45,7 @@ from relax.cli._status_text import (
 )
 from relax.cli._tui_widgets import AxisSparkline, Confirm
 from relax.control import CONTROL_FILE, ClusterNotRunning, control_request
+from relax.schema import BusStatistics, StatusSnapshot, TreeSnapshot
 
 STATE_STYLES = {
     "running": "bold green",
@@ -111,7 +112,7 @@ class StatusApp(App[None]):
         self.run_dir = Path(run_dir)
         self.interval, self.history = interval, history
         self.request_timeout, self.op_timeout = request_timeout, op_timeout
-        self.snapshot: dict[str, Any] | None = None
+        self.snapshot: StatusSnapshot | None = None
         self.snapshot_at: float | None = None
         self.connection = "connecting"
         self.reason = ""
@@ -168,7 +169,9 @@ class StatusApp(App[None]):
         """Ask the cluster for one status and show it (or show why it did not answer)."""
         payload = {"op": "status", "history": self.history}
         try:
-            snapshot = await control_request(self.run_dir, payload, timeout=self.request_timeout)
+            snapshot: StatusSnapshot = await control_request(
+                self.run_dir, payload, timeout=self.request_timeout
+            )
         except ClusterNotRunning as exc:
             self._lost(exc)
         except Exception as exc:  # a timeout, a torn connection: keep trying
@@ -255,7 +258,7 @@ class StatusApp(App[None]):
 
     # ------------------------------------------------------------------ rendering
 
-    def _render_snapshot(self, snap: dict[str, Any]) -> None:
+    def _render_snapshot(self, snap: StatusSnapshot) -> None:
         cluster = snap.get("cluster", "?")
         self.title = f"relax status · {cluster}"
         sub_title = f"{snap.get('run_dir', self.run_dir)} · up {duration(snap.get('uptime_s'))}"
@@ -266,7 +269,7 @@ class StatusApp(App[None]):
         self._render_trainer(snap)
         self._render_buses(snap.get("bus") or {})
 
-    def _render_actors(self, tree: dict[str, Any]) -> None:
+    def _render_actors(self, tree: TreeSnapshot) -> None:
         title = Text("Actors", style="bold")
         if tree:
             title.append(
@@ -307,7 +310,7 @@ class StatusApp(App[None]):
         for key in [k.value for k in table.rows if k.value not in seen]:
             table.remove_row(key)
 
-    def _render_trainer(self, snap: dict[str, Any]) -> None:
+    def _render_trainer(self, snap: StatusSnapshot) -> None:
         trainer = snap.get("trainer") or {}
         records = snap.get("metrics") or []
         applied = [r for r in records if r.get("applied")]
@@ -361,7 +364,7 @@ class StatusApp(App[None]):
             f"loss (last {len(losses)} steps) · {loss_chart.scale_text()}"
         )
 
-    def _render_buses(self, buses: dict[str, Any]) -> None:
+    def _render_buses(self, buses: dict[str, BusStatistics]) -> None:
         table = self.query_one("#tasks", DataTable)
         seen = []
         summary = Text()

@@ -36,26 +36,22 @@ from typing import Annotated
 import typer
 
 from relax.cli._app import app
+from relax.cli._runs import cluster_running, run_dir_option
 from relax.cli._up_detach import launch_detached
 from relax.cli._up_foreground import run_foreground
-from relax.cli._up_run_folder import (  # noqa: F401  (relax down and relax ckpt import these here)
-    UP_PID,
-    default_run_dir,
-    newest_run_of,
-    read_run_info,
-)
+from relax.cli._up_run_folder import default_run_dir, newest_run_of
 from relax.cli._up_signals import EXIT_INTERRUPTED
 from relax.cli._validate import EXIT_INVALID, load_or_exit
 
 
 def _refuse_a_running_run(run_dir: Path) -> None:
     """Two clusters writing one run folder would corrupt it: exit 1 if one runs there."""
-    from relax.cli._down import _read_control
-    from relax.cli._logs import cluster_running
+    from relax.runfiles import read_control
 
     if not cluster_running(run_dir):
         return
-    pid = (_read_control(run_dir) or {}).get("pid")
+    control = read_control(run_dir)
+    pid = control.pid if control is not None else None
     typer.echo(
         f"a cluster is already running in {run_dir} (pid {pid}): watch it with "
         f"`relax status --run-dir {run_dir}`, stop it with `relax down --run-dir {run_dir}`",
@@ -76,7 +72,7 @@ def up(
         ),
     ] = None,
     run_dir: Annotated[
-        Path | None, typer.Option(help="Run folder (default: cluster.run_dir/NAME-TIMESTAMP).")
+        Path | None, run_dir_option("Run folder (default: cluster.run_dir/NAME-TIMESTAMP).")
     ] = None,
     resume: Annotated[
         bool,

@@ -103,10 +103,10 @@ def launch_detached(
 def _serving(run_dir: Path, pid: int) -> bool:
     """Whether the run's ``control.json`` names ``pid``: the cluster serves its endpoint (it
     writes the file once listening)."""
-    from relax.cli._down import _read_control
+    from relax.runfiles import read_control
 
-    info = _read_control(run_dir)
-    return info is not None and info["pid"] == pid
+    info = read_control(run_dir)
+    return info is not None and info.pid == pid
 
 
 def _tail(path: Path, n: int) -> list[str]:

@@ -111,7 +111,7 @@ def prepare(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Layout:
     )
     make_private_dir(root)
     if cfg.model.init is not None:
-        from relax.engines import build_tiny_model
+        from relax.models import build_tiny_model
 
         model_dir = root / "model"
         if not (model_dir / "config.json").exists():
@@ -237,7 +237,7 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
         "run_dir": str(layout.run_dir / "samples"),
         "tasks": sample_tasks(cfg),
         "trainer_task": "train",
-        "staleness": cfg.staleness,
+        "staleness": cfg.staleness.wire,  # plain data: the bus may be another process
         "capacity": bus.capacity,
         "batch_size": cfg.trainer.global_batch_size,
     }

@@ -33,11 +33,9 @@ from typing import Any
 from relax.actors import Supervisor
 from relax.bus import BusClient
 from relax.errors import ClusterNotRunning, RelaxError
-from relax.runfiles import set_pause_requested
+from relax.runfiles import CONTROL_FILE, read_control, set_pause_requested
+from relax.schema import BusStatistics, MetricRecord, StatusSnapshot, TrainerInfo
 from relax.transport import Client, Peer, connect, serve
-
-CONTROL_FILE = "control.json"
-"""Name of the file in a run folder that says how to reach its running cluster."""
 
 
 class ControlServer:
@@ -75,9 +73,9 @@ class ControlServer:
             )
         return self._buses[name]
 
-    async def status(self, *, history: int = 200) -> dict[str, Any]:
-        """One JSON-ready snapshot of the whole run."""
-        buses: dict[str, Any] = {}
+    async def status(self, *, history: int = 200) -> StatusSnapshot:
+        """One JSON-ready snapshot of the whole run (its keys: ``relax.schema.StatusSnapshot``)."""
+        buses: dict[str, BusStatistics] = {}
         for name in self.bus_urls:
             try:
                 buses[name] = await asyncio.wait_for((await self._bus(name)).statistics(), 5)
@@ -87,6 +85,10 @@ class ControlServer:
         applied = [r for r in records if r.get("applied")]
         samples = buses.get("samples", {})
         weights = samples.get("weights", {}) if isinstance(samples, dict) else {}
+        trainer: TrainerInfo = {
+            "version": weights.get("current", applied[-1]["step"] if applied else 0),
+            "last": records[-1] if records else None,
+        }
         return {
             "cluster": self.name,
             "pid": os.getpid(),
@@ -97,10 +99,7 @@ class ControlServer:
             "metrics_url": self.metrics_url,
             "tree": await self.tree.snapshot(),
             "bus": buses,
-            "trainer": {
-                "version": weights.get("current", applied[-1]["step"] if applied else 0),
-                "last": records[-1] if records else None,
-            },
+            "trainer": trainer,
             "metrics": records,
         }
 
@@ -172,7 +171,7 @@ class ControlServer:
                     await bus.aclose()
 
 
-def read_metrics(run_dir: Path, *, last: int | None = None) -> list[dict[str, Any]]:
+def read_metrics(run_dir: Path, *, last: int | None = None) -> list[MetricRecord]:
     """The run's ``metrics.jsonl`` records (the ``last`` ones), skipping a torn final line.
 
     With ``last``, only the end of the file is read: cheap enough for every status request and
@@ -207,20 +206,19 @@ def _tail_lines(path: Path, count: int, block: int = 1 << 16) -> list[str]:
 
 async def connect_control(run_dir: str | Path, *, timeout: float = 5.0) -> Client:
     """A control client for the cluster running in ``run_dir``; ``ClusterNotRunning`` if none."""
-    path = Path(run_dir) / CONTROL_FILE
-    if not path.exists():
+    info = read_control(run_dir)
+    if info is None:
         raise ClusterNotRunning(f"no running cluster in {run_dir} (no {CONTROL_FILE})")
-    info = json.loads(path.read_text())
     try:
-        os.kill(int(info["pid"]), 0)
+        os.kill(info.pid, 0)
     except ProcessLookupError:
         raise ClusterNotRunning(
-            f"the cluster of {run_dir} (pid {info['pid']}) is gone; {CONTROL_FILE} is stale"
+            f"the cluster of {run_dir} (pid {info.pid}) is gone; {CONTROL_FILE} is stale"
         ) from None
     except PermissionError:
         pass  # alive, owned by someone else: the token decides
     try:
-        return await connect(info["url"], secret=info["token"], connect_timeout=timeout)
+        return await connect(info.url, secret=info.token, connect_timeout=timeout)
     except RelaxError as exc:
         raise ClusterNotRunning(f"the cluster of {run_dir} does not answer: {exc}") from None
 

@@ -1,4 +1,5 @@
-"""A demo supervisor tree: the main job until the RL roles exist (issue 4 replaces it).
+"""A demo of the supervisor tree (``relax demo``): the actor runtime on its own, no RL roles.
+It is not the main job: that is ``relax up CLUSTER_TOML`` (see the README).
 
 The tree::
 

@@ -35,8 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from relax.actors import Supervisor
-from relax.agents import Policy
-from relax.agents._connect import connect
+from relax.agents import Policy, connect
 from relax.cluster import Layout, build_tree, prepare
 from relax.config import ClusterConfig
 from relax.log import ENV_CONSOLE, LOGS_DIR, configure_logging, log_files

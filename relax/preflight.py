@@ -19,8 +19,6 @@ and ``relax.actors``, never torch (user modules may, of course).
 
 from __future__ import annotations
 
-import difflib
-import importlib
 import importlib.util
 import inspect
 import os
@@ -34,6 +32,7 @@ from typing import Any
 from relax.config import ClusterConfig, load_config, place_issues
 from relax.config._models import MIN_SECRET_LENGTH
 from relax.errors import ConfigError, ConfigIssue
+from relax.importpath import ImportPathError, load
 
 
 def preflight(cfg: ClusterConfig) -> list[ConfigIssue]:
@@ -179,30 +178,13 @@ def _unbuilt(cfg: ClusterConfig) -> list[ConfigIssue]:
 # --------------------------------------------------------------------------- imports
 
 
-_IMPORT_HINT = "modules are found in installed packages and in the config file's folder"
-
-
 def _import(target: str) -> tuple[Any, ConfigIssue | None]:
-    """The object at ``"package.module:attr.path"``, or (None, an issue saying why not; its
+    """The callable at ``"package.module:attr.path"``, or (None, an issue saying why not; its
     path is filled in by the caller)."""
-    module_name, _, attr_path = target.partition(":")
     try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:  # any failure of user code at import time is a config problem
-        message = f"cannot import {module_name!r}: {type(exc).__name__}: {exc}"
-        return None, ConfigIssue("", message, hint=_IMPORT_HINT)
-    for attr in attr_path.split("."):
-        try:
-            obj = getattr(obj, attr)
-        except AttributeError:
-            names = [n for n in dir(obj) if not n.startswith("_")]
-            close = difflib.get_close_matches(attr, names, n=1)
-            hint = f"did you mean {module_name}:{close[0]}?" if close else None
-            return None, ConfigIssue("", f"{module_name!r} has no attribute {attr!r}", hint=hint)
-    if not callable(obj):
-        message = f"{target!r} is {type(obj).__name__}, not a function or class"
-        return None, ConfigIssue("", message)
-    return obj, None
+        return load(target), None
+    except ImportPathError as exc:
+        return None, ConfigIssue("", str(exc), hint=exc.hint)
 
 
 def _signature_problem(

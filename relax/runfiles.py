@@ -4,12 +4,17 @@
 ``PAUSE_FILE``: present while generation is paused. The control endpoint writes it before it
 tells the rollouts, and a rollout reads it when it starts, so one restarted while the run is
 paused comes back paused.
+
+``CONTROL_FILE``: how to reach a running cluster's control endpoint (written by
+``relax.control``); ``read_control`` is its one reader, for the endpoint's clients and for the
+command line's "is a cluster running here?".
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 PAUSE_FILE = "paused"
@@ -38,4 +43,47 @@ GANG_RENDEZVOUS_ENV = "RELAX_GANG_RENDEZVOUS"
 """Names a folder (one per start of a gang, removed with it) where the gang's rank 0 writes
 the port of the store it listens on — bound to port 0, the kernel's pick, so no other process
 can take it first — and where the other ranks read it. Set by the process placement
-(``relax.actors``), read by ``relax.training``'s ``init_world``."""
+(``relax.actors``), read by ``relax.transport``'s ``init_world``."""
+
+
+CONTROL_FILE = "control.json"
+"""Name of the file in a run folder that says how to reach its running cluster."""
+
+
+@dataclass(frozen=True)
+class ControlInfo:
+    """What a run's ``CONTROL_FILE`` says: where its cluster's control endpoint listens."""
+
+    pid: int
+    """The cluster's process (the file outlives it when that process is killed)."""
+    url: str
+    token: str
+    """The secret that authenticates control clients."""
+    cluster: str | None = None
+    started_at: float | None = None
+    metrics_url: str | None = None
+
+
+def read_control(run_dir: str | Path) -> ControlInfo | None:
+    """The run's ``CONTROL_FILE``, or None when there is none or it cannot be used: unreadable,
+    not JSON, or without a positive integer ``pid``. The cluster writes it whole and renames it
+    into place, so a reader never sees half of one; whether its pid still runs is the caller's
+    question."""
+    try:
+        data = json.loads((Path(run_dir) / CONTROL_FILE).read_text())
+    except (OSError, ValueError):  # missing, unreadable, or not JSON
+        return None
+    if not isinstance(data, dict):
+        return None
+    pid = data.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return None
+    started_at = data.get("started_at")
+    return ControlInfo(
+        pid=pid,
+        url=str(data.get("url") or ""),
+        token=str(data.get("token") or ""),
+        cluster=data["cluster"] if isinstance(data.get("cluster"), str) else None,
+        started_at=float(started_at) if isinstance(started_at, (int, float)) else None,
+        metrics_url=data["metrics_url"] if isinstance(data.get("metrics_url"), str) else None,
+    )

@@ -19,11 +19,11 @@ from typing import Any
 
 from relax.cluster import Layout, prepare
 from relax.config import ClusterConfig
-from relax.engines import load_policy, load_tokenizer, open_engine, pad_token_id, stop_token_ids
+from relax.engines import open_engine
+from relax.models import load_policy, load_tokenizer, pad_token_id, stop_token_ids
 from relax.rewards import RewardSet
-from relax.roles._prompts import prompt_row, prompt_stream
-from relax.roles._reward import score_rows
-from relax.roles._rollout import PROMPT_FOR_REWARD, generate_groups
+from relax.roles import PROMPT_FOR_REWARD, generate_groups, prompt_row, prompt_stream, score_rows
+from relax.schema import LOGPROBS, PROMPT_IDS, RESPONSE_IDS, REWARD
 from relax.training import make_backend
 
 
@@ -66,7 +66,7 @@ async def run_sync(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Lay
                 rows += await _generate_and_score(cfg, engine, rewards, tokenizer, prompts, stops)
             rows.sort(key=lambda r: (r["group"], r["uid"]))  # the trainer role's order
             version = engine.version
-            result = backend.step([r for r in rows if r["response_ids"]])
+            result = backend.step([r for r in rows if r[RESPONSE_IDS]])
             record = {
                 "step": backend.version,
                 "applied": result.applied,
@@ -110,9 +110,9 @@ async def _generate_and_score(
         for j in range(n):
             g = gens[i * n + j]
             sample_cols = {
-                "prompt_ids": list(g.prompt_ids),
-                "response_ids": list(g.response_ids),
-                "logprobs": list(g.logprobs),
+                PROMPT_IDS: list(g.prompt_ids),
+                RESPONSE_IDS: list(g.response_ids),
+                LOGPROBS: list(g.logprobs),
                 "answer": cols["answer"],
                 **shared,
             }
@@ -128,10 +128,10 @@ async def _generate_and_score(
                 {
                     "uid": sample["uid"],
                     "group": sample["group"],
-                    "prompt_ids": c["prompt_ids"],
-                    "response_ids": c["response_ids"],
-                    "logprobs": c["logprobs"],
-                    "reward": float(result.reward),
+                    PROMPT_IDS: c[PROMPT_IDS],
+                    RESPONSE_IDS: c[RESPONSE_IDS],
+                    LOGPROBS: c[LOGPROBS],
+                    REWARD: float(result.reward),
                 }
             )
     return rows

@@ -12,18 +12,17 @@
 
 from relax.actors._actor import Actor, ActorContext
 from relax.actors._exit import Exit
-from relax.actors._placement import InProc, Placement, Process
-from relax.actors._ref import DEFAULT_CALL_TIMEOUT, ActorRef
-from relax.actors._spec import (
+from relax.actors._flags import (
     BRUTAL_KILL,
     DEFAULT_INTENSITY,
     DEFAULT_PERIOD,
     DEFAULT_SHUTDOWN,
-    ChildSpec,
     Restart,
     Strategy,
 )
-from relax.actors._supervisor import Supervisor
+from relax.actors._placement import InProc, Placement, Process
+from relax.actors._ref import DEFAULT_CALL_TIMEOUT, ActorRef
+from relax.actors._supervisor import ChildSpec, ChildState, Supervisor
 
 __all__ = [
     "BRUTAL_KILL",
@@ -35,6 +34,7 @@ __all__ = [
     "ActorContext",
     "ActorRef",
     "ChildSpec",
+    "ChildState",
     "Exit",
     "InProc",
     "Placement",

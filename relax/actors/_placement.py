@@ -3,6 +3,10 @@
 A placement turns a ``ChildSpec`` into an ``Incarnation``: the members (one, or a gang of N)
 of one start of that child, which live and die together. Placement is an interface; a Ray
 placement (actors on other machines) can be added without touching any actor's code.
+
+A placement sees a child spec as a ``LaunchSpec`` (the few fields it reads), not as the
+``ChildSpec`` class: a ``ChildSpec`` holds its placement, so naming the class here would make
+the two modules import each other.
 """
 
 from __future__ import annotations
@@ -11,19 +15,33 @@ import asyncio
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from relax.actors._actor import ActorContext
-from relax.actors._build import build_actor, import_path
+from relax.actors._build import build_actor
 from relax.actors._cell import Cell
 from relax.actors._exit import Exit
 from relax.actors._process import ProcessMember, ProcessOptions
 from relax.errors import StartFailed
+from relax.importpath import import_path
 from relax.runfiles import GANG_RENDEZVOUS_ENV
 
-if TYPE_CHECKING:
-    from relax.actors._spec import ChildSpec
+
+class LaunchSpec(Protocol):
+    """What a placement reads from a child spec (``relax.actors.ChildSpec`` is one)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def start(self) -> Callable[..., Any] | str: ...
+    @property
+    def args(self) -> tuple[Any, ...]: ...
+    @property
+    def kwargs(self) -> Mapping[str, Any]: ...
+    @property
+    def gang(self) -> int: ...
 
 
 class Member(Protocol):
@@ -43,9 +61,9 @@ class Member(Protocol):
 class Placement(Protocol):
     kind: str
 
-    async def launch(self, spec: ChildSpec) -> Incarnation: ...
+    async def launch(self, spec: LaunchSpec) -> Incarnation: ...
 
-    def check(self, spec: ChildSpec) -> None:
+    def check(self, spec: LaunchSpec) -> None:
         """Raise ``ValueError`` if ``spec`` cannot run under this placement."""
 
 
@@ -56,10 +74,10 @@ class InProc:
     start_timeout: float = 60.0
     kind: Literal["inproc"] = field(default="inproc", init=False)
 
-    def check(self, spec: ChildSpec) -> None:
+    def check(self, spec: LaunchSpec) -> None:
         pass
 
-    async def launch(self, spec: ChildSpec) -> Incarnation:
+    async def launch(self, spec: LaunchSpec) -> Incarnation:
         async def start(rank: int) -> Member:
             actor = build_actor(spec.start, spec.args, dict(spec.kwargs))
             cell = Cell(actor, ActorContext(id=spec.id, rank=rank, size=spec.gang))
@@ -75,7 +93,7 @@ class Process(ProcessOptions):
 
     kind: Literal["process"] = field(default="process", init=False)
 
-    def check(self, spec: ChildSpec) -> None:
+    def check(self, spec: LaunchSpec) -> None:
         from relax.transport import dumps
 
         import_path(spec.start)  # type: ignore[arg-type]
@@ -86,7 +104,7 @@ class Process(ProcessOptions):
                 f"child {spec.id!r}: its args cannot cross a process boundary: {exc}"
             ) from None
 
-    async def launch(self, spec: ChildSpec) -> Incarnation:
+    async def launch(self, spec: LaunchSpec) -> Incarnation:
         # A gang meets in a folder of its own (see GANG_RENDEZVOUS_ENV), gone with the gang.
         rendezvous = tempfile.mkdtemp(prefix="relax-gang-") if spec.gang > 1 else None
         try:
@@ -101,7 +119,7 @@ class Process(ProcessOptions):
             )
         return incarnation
 
-    async def _launch(self, spec: ChildSpec, gang_env: dict[str, str]) -> Incarnation:
+    async def _launch(self, spec: LaunchSpec, gang_env: dict[str, str]) -> Incarnation:
 
         def starter(rank: int) -> Any:
             async def start(_: int) -> Member:

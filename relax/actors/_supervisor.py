@@ -9,6 +9,10 @@ and crashes with ``SupervisorGaveUp``, which its own supervisor sees as a child 
 
 It keeps, per child: state, pids, restart count, uptime and the last crash cause, and returns
 the whole tree as a JSON-ready snapshot (what ``relax status`` draws).
+
+``ChildSpec`` lives here with the ``Supervisor``: a supervisor runs child specs, and a child
+spec can describe a nested supervisor (``ChildSpec.supervisor``), so the two share a module
+rather than import each other. The flags both use are in ``_flags``.
 """
 
 from __future__ import annotations
@@ -17,21 +21,97 @@ import asyncio
 import collections
 import math
 import os
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from relax.actors._actor import Actor, ActorContext
 from relax.actors._cell import Cell
 from relax.actors._exit import Exit
-from relax.actors._placement import Incarnation
+from relax.actors._flags import (
+    BRUTAL_KILL,
+    DEFAULT_INTENSITY,
+    DEFAULT_PERIOD,
+    DEFAULT_SHUTDOWN,
+    Restart,
+    Strategy,
+)
+from relax.actors._placement import Incarnation, InProc, Placement
 from relax.actors._ref import ActorRef
-from relax.actors._spec import DEFAULT_INTENSITY, DEFAULT_PERIOD, ChildSpec, Restart, Strategy
 from relax.errors import ActorDead, CallTimeout, StartFailed, SupervisorGaveUp
 from relax.log import configure_logging, get_logger
 
 log = get_logger("relax.supervisor")
+
+_ID = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """How a supervisor starts, restarts and stops one child.
+
+    ``start`` makes the actor: a class or factory function called with ``args``/``kwargs``,
+    or an import path ``"package.module:Name"``. A child placed in another process must be
+    importable there and its arguments must cross the wire (no pickling, ever).
+    """
+
+    id: str
+    start: Callable[..., Any] | str
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    restart: Restart = Restart.PERMANENT
+    shutdown: float | Literal["brutal_kill"] = DEFAULT_SHUTDOWN
+    """Seconds a child gets to stop before it is killed; ``"brutal_kill"`` kills at once."""
+    placement: Placement = field(default_factory=InProc)
+    gang: int = 1
+    """Members that start, stop and restart as a unit (e.g. the ranks of a trainer)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not _ID.match(self.id):
+            raise ValueError(f"child id {self.id!r} must be non-empty and use only [A-Za-z0-9_.-]")
+        object.__setattr__(self, "restart", Restart(self.restart))
+        object.__setattr__(self, "args", tuple(self.args))
+        if self.shutdown != BRUTAL_KILL and not (
+            isinstance(self.shutdown, (int, float)) and self.shutdown > 0
+        ):
+            raise ValueError(f"child {self.id!r}: shutdown must be seconds > 0 or 'brutal_kill'")
+        if not isinstance(self.gang, int) or self.gang < 1:
+            raise ValueError(f"child {self.id!r}: gang must be an integer >= 1")
+        self.placement.check(self)
+
+    @property
+    def shutdown_timeout(self) -> float:
+        """Seconds to wait before killing; 0 for a brutal kill, ``inf`` to wait forever."""
+        return 0.0 if self.shutdown == BRUTAL_KILL else float(self.shutdown)
+
+    @classmethod
+    def supervisor(
+        cls,
+        id: str,
+        children: Sequence[ChildSpec],
+        *,
+        strategy: Strategy | str = Strategy.ONE_FOR_ONE,
+        intensity: int = DEFAULT_INTENSITY,
+        period: float = DEFAULT_PERIOD,
+        restart: Restart | str = Restart.PERMANENT,
+    ) -> ChildSpec:
+        """A nested supervisor as a child (OTP: shutdown ``infinity`` for supervisors)."""
+        return cls(
+            id=id,
+            start=Supervisor,
+            kwargs={
+                "children": tuple(children),
+                "strategy": strategy,
+                "intensity": intensity,
+                "period": period,
+                "name": id,
+            },
+            restart=Restart(restart),
+            shutdown=math.inf,
+        )
+
 
 AutoShutdown = Literal["never", "any_significant", "all_significant"]
 ChildState = Literal[

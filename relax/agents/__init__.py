@@ -18,12 +18,17 @@ from relax.agents._chat import (
     prompt_ids,
     render,
 )
-from relax.agents._client import AgentEndpointError, ChatReply, Completion, Policy
+from relax.agents._client import (
+    AgentEndpointError,
+    ChatReply,
+    Completion,
+    Policy,
+    SamplingOptions,
+)
 from relax.agents._connect import EndpointNotFound, connect, read_endpoint
 from relax.agents._env import (
     Env,
     EpisodeLimits,
-    Sampling,
     Step,
     Task,
     describe_failure,
@@ -48,7 +53,7 @@ __all__ = [
     "EpisodeLimits",
     "Policy",
     "Sampler",
-    "Sampling",
+    "SamplingOptions",
     "Session",
     "SessionStore",
     "Step",

@@ -26,16 +26,39 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 from urllib.parse import quote
 
 import aiohttp
 
 from relax.errors import AgentEndpointError, CallTimeout, PeerGone, RunFinished, TransportError
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 RunEnded = Callable[[float], Awaitable[str | None]]
 """Asked after a call failed the way a closing endpoint fails it: within the given seconds,
 has the run ended? Returns why (a sentence), or ``None`` while it goes on."""
+
+
+class SamplingOptions(TypedDict, total=False):
+    """The sampling keywords of ``Policy.generate`` and ``Policy.chat`` (OpenAI's fields)."""
+
+    max_tokens: int
+    """Most tokens per reply (default 64)."""
+    temperature: float
+    """Default 1.0; 0 is greedy."""
+    top_p: float
+    """Default 1.0 (off)."""
+    n: int
+    """Replies sampled (default 1)."""
+    seed: int | None
+    """The same seed, prompt and weights give the same replies (default: unseeded)."""
+    stop: str | Sequence[str] | None
+    """Strings that end a reply (it is cut after the token completing one)."""
+
+
+_DEFAULTS: SamplingOptions = {"max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "n": 1}
 
 
 @dataclass
@@ -123,25 +146,15 @@ class Policy:
         self,
         prompt: str | Sequence[int],
         *,
-        max_tokens: int = 64,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        n: int = 1,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
         session: str | None = None,
+        **sampling: Unpack[SamplingOptions],
     ) -> list[Completion]:
-        """``n`` continuations of ``prompt`` (text, or token ids sent as they are)."""
-        body: dict[str, Any] = {
-            "prompt": prompt if isinstance(prompt, str) else [int(t) for t in prompt],
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "n": n,
-            "logprobs": 0,  # the sampled tokens' logprobs (no top-N alternatives)
-            **_optional(seed=seed, stop=stop),
-        }
-        data = await self._call("POST", _route("/v1/completions", session), body)
+        """``n`` continuations of ``prompt`` (text, or token ids sent as they are), sampled as
+        ``sampling`` says (``SamplingOptions``)."""
+        text_or_ids = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
+        # logprobs 0: the sampled tokens' logprobs (no top-N alternatives).
+        body = {"prompt": text_or_ids, "logprobs": 0}
+        data = await self._sample("/v1/completions", session, body, sampling)
         out = []
         for choice in data["choices"]:
             logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
@@ -162,25 +175,17 @@ class Policy:
         messages: Sequence[dict[str, Any]],
         *,
         tools: Sequence[dict[str, Any]] | None = None,
-        max_tokens: int = 64,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        n: int = 1,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
         session: str | None = None,
+        **sampling: Unpack[SamplingOptions],
     ) -> list[ChatReply]:
-        """``n`` assistant replies to the conversation ``messages`` (OpenAI message dicts)."""
-        body: dict[str, Any] = {
+        """``n`` assistant replies to the conversation ``messages`` (OpenAI message dicts),
+        sampled as ``sampling`` says (``SamplingOptions``)."""
+        body = {
             "messages": list(messages),
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "n": n,
             "logprobs": True,
-            **_optional(seed=seed, stop=stop, tools=list(tools) if tools else None),
+            **_optional(tools=list(tools) if tools else None),
         }
-        data = await self._call("POST", _route("/v1/chat/completions", session), body)
+        data = await self._sample("/v1/chat/completions", session, body, sampling)
         out = []
         for choice in data["choices"]:
             content = (choice.get("logprobs") or {}).get("content") or []
@@ -203,6 +208,17 @@ class Policy:
         return await self._call("POST", path, {**extra, "reward": float(reward)})
 
     # ------------------------------------------------------------------ plumbing
+
+    async def _sample(
+        self, path: str, session: str | None, body: dict[str, Any], sampling: SamplingOptions
+    ) -> dict[str, Any]:
+        """POST a generation request: ``body`` with the sampling fields (defaults filled in,
+        unset ones left out), to ``path`` of ``session`` (or outside any)."""
+        unknown = sorted(set(sampling) - SamplingOptions.__optional_keys__)
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
+        fields = {**_DEFAULTS, **sampling}
+        return await self._call("POST", _route(path, session), {**body, **_optional(**fields)})
 
     def _client(self) -> aiohttp.ClientSession:
         if self._http is None or self._http.closed:

@@ -11,7 +11,8 @@ An environment is a small async object, one instance per episode::
 ``run_episode`` plays it: prompt, sample a reply, ``step``, append the observation as the next
 turn (token-in/token-out, see ``relax.agents._chat``), until ``done``, ``max_turns`` or the
 token budget. A ``step`` that raises or overruns ``tool_timeout`` ends the episode with the
-reason recorded and ``error_reward``; it never raises out of ``run_episode``.
+reason recorded and ``error_reward``; it never raises out of ``run_episode``. Replies are sampled
+as the episode's ``SamplingParams`` say (``relax.engines``), turn ``t`` seeded ``seed + t``.
 
 The opening and the observations may carry images, audio and video as content parts
 (``{"type": "image", "image": SRC}``, as ``relax.media.process_prompt`` takes them) when
@@ -26,13 +27,14 @@ import abc
 import asyncio
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from relax.agents._chat import ChatFormatError, Message, continuation_ids, encode, prompt_ids
 from relax.agents._media import media_continuation, media_prompt, spelled_placeholders
 from relax.agents._sampler import Sampler
 from relax.agents._trajectory import Trajectory
+from relax.engines import SamplingParams
 from relax.media import MediaError, MediaLimits, has_media
 
 Task = dict[str, Any]
@@ -88,19 +90,6 @@ class EpisodeLimits:
     """Chat role of a text observation."""
     chat: bool = True
     """Render turns with the tokenizer's chat template; False appends plain text."""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How replies are sampled (``relax.engines.SamplingParams`` without the budget)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
-    """Seed of the episode; turn ``t`` samples with ``seed + t``, so a replayed episode (a
-    retried prompt) reproduces its replies."""
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -191,7 +180,7 @@ async def run_episode(
     sampler: Sampler,
     tokenizer: Any,
     limits: EpisodeLimits = EpisodeLimits(),
-    sampling: Sampling = Sampling(),
+    sampling: SamplingParams | None = None,
     *,
     processor: Any = None,
     media_limits: MediaLimits | None = None,
@@ -202,13 +191,23 @@ async def run_episode(
     recorded, not raised; an engine failure or a cancellation is raised (the episode cannot be
     completed; its caller decides) after the environment is closed.
 
-    ``processor`` (the model's, ``relax.engines.load_processor``) and ``media_limits``
+    ``sampling``: how replies are sampled (``n`` must be 1: a turn is one reply). A reply is
+    at most ``sampling.max_new_tokens`` and ``limits.max_reply_tokens`` tokens, and fits the
+    episode's remaining budget. ``sampling.seed`` is the episode's: turn ``t`` samples with
+    ``seed + t``, so a replayed episode (a retried prompt) reproduces its replies. ``None``
+    samples at temperature 1, unseeded, with no stop tokens.
+
+    ``processor`` (the model's, ``relax.models.load_processor``) and ``media_limits``
     (``relax.media.media_limits(cfg.data.media)``; defaults when ``None``) let the opening and
     the observations carry media; without a processor, media parts raise ``ChatFormatError``.
     """
+    if sampling is None:
+        sampling = SamplingParams(max_new_tokens=limits.max_reply_tokens)
     bounds = media_limits if media_limits is not None else MediaLimits()
     item = str(task.get("id", "episode"))
     try:
+        if sampling.n != 1:  # raised inside: the environment is still closed
+            raise ValueError(f"an episode samples one reply per turn: sampling.n is {sampling.n}")
         opening, end, reason = await _guarded(env.reset(task), limits.tool_timeout)
         first: list[int] = []
         media = None
@@ -232,19 +231,19 @@ async def run_episode(
             if traj.turns >= limits.max_turns:
                 traj.finish("max_turns")
                 break
-            budget = min(limits.max_reply_tokens, limits.max_tokens - len(traj.response_ids))
+            budget = min(
+                limits.max_reply_tokens,
+                sampling.max_new_tokens,
+                limits.max_tokens - len(traj.response_ids),
+            )
             if budget < 1:
                 traj.finish("token_budget")
                 break
             seed = None if sampling.seed is None else sampling.seed + traj.turns
+            turn = replace(sampling, max_new_tokens=budget, seed=seed)
             (gen,) = await sampler.generate(
                 traj.ids,
-                max_new_tokens=budget,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                stop_token_ids=sampling.stop_token_ids,
-                seed=seed,
+                turn,
                 # Only with media: a text episode calls a sampler just as it always did.
                 **({"mm_inputs": traj.mm_inputs} if traj.mm_inputs else {}),
             )

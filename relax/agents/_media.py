@@ -13,16 +13,13 @@ them from the whole sequence and all its media on every forward.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from relax.agents._chat import ChatFormatError, Message, continuation_text
-from relax.engines import collate_mm_inputs
+from relax.engines import MediaInputs
 from relax.media import MediaLimits, ProcessedPrompt, placeholder_ids, process_prompt
-
-MediaInputs = dict[str, torch.Tensor]
+from relax.models import collate_mm_inputs
 
 
 def media_prompt(
@@ -81,9 +78,7 @@ def spelled_placeholders(processor: Any, ids: Sequence[int]) -> int:
     return sum(1 for i in ids if i in banned)
 
 
-def merge_media(
-    held: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.Tensor] | None
-) -> MediaInputs | None:
+def merge_media(held: MediaInputs | None, new: MediaInputs | None) -> MediaInputs | None:
     """An episode's media tensors with ``new`` items appended after ``held`` (each key
     concatenated along its item axis, audio frames padded as ``collate_mm_inputs`` does for a
     batch — the one way engine and trainer both read them). ``None`` while there is none."""

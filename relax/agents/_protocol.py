@@ -9,6 +9,9 @@ OpenAI refuses it ("Unrecognized request argument supplied"), and a known field 
 cannot honour (``response_format`` other than text, ``parallel_tool_calls = false``, audio
 output, ...) is refused naming the field. Fields with no effect on what is sampled (``user``,
 ``store``, ``metadata``, ``service_tier``, ``prediction``, ...) are accepted.
+
+A generation request's sampling fields become the engines' ``SamplingParams`` in one place,
+``SamplingFields.sampling_params`` (OpenAI's defaults filled in).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from relax.engines import EngineError, SamplingParams
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
 
@@ -181,6 +186,35 @@ class SamplingFields(_Body):
     @classmethod
     def _unsupported(cls) -> list[tuple[str, Any, str]]:
         return []
+
+    def sampling_params(
+        self,
+        *,
+        max_tokens: int,
+        top_logprobs: int,
+        stop_token_ids: Sequence[int],
+        param: str | None = None,
+    ) -> SamplingParams:
+        """What this request samples: its fields with OpenAI's defaults (temperature and
+        top_p 1, no penalties; ``top_k`` 0 or -1 disable it) and what the server decides —
+        the token budget ``max_tokens``, the ``top_logprobs`` its route asks for, the
+        model's ``stop_token_ids``. Settings the engines refuse are a 400 blaming ``param``."""
+        try:
+            return SamplingParams(
+                max_new_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=max(self.top_k or 0, 0),
+                stop_token_ids=tuple(stop_token_ids),
+                n=self.n or 1,
+                seed=self.seed,
+                logit_bias=self.logit_bias or (),
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                top_logprobs=top_logprobs,
+            )
+        except EngineError as exc:
+            raise ApiError(400, str(exc), param=param) from None
 
 
 class ChatRequest(SamplingFields):

@@ -3,10 +3,11 @@ batched into its next ``generate`` call.
 
 Episodes, agent sessions and endpoint requests each ask for one reply at a time; calling the
 engine once per reply would leave it running batches of one. The sampler keeps a queue: when
-the engine is free it takes everything waiting (grouped by sampling settings, since one engine
-call has one set) and runs it as one batch. No timer decides the batch, so an idle engine
-starts a lone request at once. Each request carries its own seed, so its reply does not depend
-on which other requests shared its batch. A request may carry its prompt's media
+the engine is free it takes everything waiting (grouped by ``SamplingParams``, since one engine
+call has one set; the seed aside) and runs it as one batch. No timer decides the batch, so an
+idle engine starts a lone request at once. Each request carries its own seed
+(``SamplingParams.seed``, passed on as the engine's per-prompt ``seeds``), so its reply does not
+depend on which other requests shared its batch. A request may carry its prompt's media
 (``mm_inputs``); text and media requests share a batch (the engine takes media per prompt).
 
 Streaming: a request with ``on_token`` hears each of its tokens as the engine samples it
@@ -18,12 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from relax.engines import EngineError, Generation, GenerationEngine, SamplingParams, TokenEvent
-from relax.engines._base import bias_pairs
+from relax.engines import (
+    EngineError,
+    Generation,
+    GenerationEngine,
+    MediaInputs,
+    SamplingParams,
+    TokenEvent,
+)
 
 TokenCallback = Callable[[TokenEvent], None]
 """Hears one token of a request (``sequence`` = which of its ``n`` choices)."""
@@ -32,9 +39,10 @@ TokenCallback = Callable[[TokenEvent], None]
 @dataclass
 class _Request:
     prompt: list[int]
-    key: tuple[Any, ...]
+    key: SamplingParams
+    """The request's sampling without its seed: requests with equal keys share a batch."""
     seed: int | None
-    media: Mapping[str, Any] | None = None
+    media: MediaInputs | None = None
     on_token: TokenCallback | None = None
     done: asyncio.Future[list[Generation]] = field(repr=False, default=None)  # type: ignore[assignment]
 
@@ -62,54 +70,21 @@ class Sampler:
     async def generate(
         self,
         prompt: Sequence[int],
+        params: SamplingParams,
         *,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop_token_ids: Sequence[int] = (),
-        n: int = 1,
-        seed: int | None = None,
-        mm_inputs: Mapping[str, Any] | None = None,
-        logit_bias: Mapping[int, float] | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        top_logprobs: int = 0,
+        mm_inputs: MediaInputs | None = None,
         on_token: TokenCallback | None = None,
     ) -> list[Generation]:
-        """``n`` replies to one prompt (the engine's contract, for one prompt). ``mm_inputs``:
-        the processor's tensors of the media whose placeholders ``prompt`` holds;
-        ``on_token``: hears each token as it is sampled (see the module docstring)."""
-        bias = bias_pairs(logit_bias)
-        # Validate here, so a bad request fails alone instead of failing the batch it joins.
-        SamplingParams(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            stop_token_ids=tuple(stop_token_ids),
-            n=n,
-            logit_bias=bias,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            top_logprobs=top_logprobs,
-        )
-        key = (
-            max_new_tokens,
-            temperature,
-            top_p,
-            top_k,
-            tuple(stop_token_ids),
-            n,
-            bias,
-            presence_penalty,
-            frequency_penalty,
-            top_logprobs,
-        )
+        """``params.n`` replies to one prompt (the engine's contract, for one prompt), seeded
+        by ``params.seed``. ``mm_inputs``: the processor's tensors of the media whose
+        placeholders ``prompt`` holds; ``on_token``: hears each token as it is sampled (see
+        the module docstring)."""
+        # ``params`` was validated when it was made, so a bad request fails alone (at its
+        # caller) instead of failing the batch it would join.
         request = _Request(
             [int(t) for t in prompt],
-            key,
-            seed,
+            replace(params, seed=None),
+            params.seed,
             dict(mm_inputs) if mm_inputs else None,
             on_token,
         )
@@ -147,20 +122,16 @@ class Sampler:
                 await self._run(batch)
 
     async def _run(self, batch: list[_Request]) -> None:
-        max_new, temperature, top_p, top_k, stops, n, bias, presence, frequency, top = batch[0].key
+        params = batch[0].key
+        n = params.n
         seeded = any(r.seed is not None for r in batch)
         # Only what a batch uses is passed: an engine never sees an argument it need not know.
         extra: dict[str, Any] = {}
+        if seeded:
+            # An unseeded request in a seeded batch still gets a fresh seed of its own.
+            extra["seeds"] = [r.seed if r.seed is not None else _fresh_seed() for r in batch]
         if any(r.media is not None for r in batch):
             extra["mm_inputs"] = [r.media for r in batch]
-        if bias:
-            extra["logit_bias"] = dict(bias)
-        if presence:
-            extra["presence_penalty"] = presence
-        if frequency:
-            extra["frequency_penalty"] = frequency
-        if top:
-            extra["top_logprobs"] = top
         listeners = [r.on_token for r in batch]
         streaming = any(listeners) and getattr(self.engine, "streams", False)
         if streaming:
@@ -176,20 +147,7 @@ class Sampler:
         self.stats["engine_calls"] += 1
         self.stats["largest_batch"] = max(self.stats["largest_batch"], len(batch))
         try:
-            gens = await self.engine.generate(
-                [r.prompt for r in batch],
-                max_new_tokens=max_new,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                stop_token_ids=stops,
-                n=n,
-                # An unseeded request in a seeded batch still gets a fresh seed of its own.
-                seed=[r.seed if r.seed is not None else _fresh_seed() for r in batch]
-                if seeded
-                else None,
-                **extra,
-            )
+            gens = await self.engine.generate([r.prompt for r in batch], params, **extra)
         except asyncio.CancelledError:  # closing: nobody may wait forever
             for r in batch:
                 _settle(r, exc=EngineError("the sampler was closed"))

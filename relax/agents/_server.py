@@ -20,7 +20,9 @@ Routes (each ``/v1/...`` route also answers under ``/sessions/{session_id}``):
 
 Beyond OpenAI's shapes, a response carries ``relax: {"version", "session"}``, the
 ``prompt_token_ids`` it was sampled from and, per choice, the kept ``token_ids`` and their
-``token_versions`` (the ``openai`` client keeps them in ``model_extra``).
+``token_versions`` (the ``openai`` client keeps them in ``model_extra``). This module is the
+HTTP side (routes, auth, errors, sessions, sampling); the bodies and events answered are
+rendered by ``relax.agents._render``.
 
 Streaming is OpenAI's Server-Sent Events format, sent as tokens are sampled (engines that
 stream, ``HFEngine``; vLLM's replies are streamed once complete): a piece of text goes out as
@@ -47,16 +49,15 @@ import contextlib
 import hmac
 import json
 import time
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, cast
+from typing import Any
 from urllib.parse import quote
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from relax.agents._chat import ChatFormatError, cut_at_stop, parse_tool_calls
+from relax.agents._chat import ChatFormatError
 from relax.agents._protocol import (
     ApiError,
     ChatRequest,
@@ -65,9 +66,9 @@ from relax.agents._protocol import (
     SamplingFields,
     validation_error,
 )
+from relax.agents._render import Call, Render, SseStream, relax_fields
 from relax.agents._sampler import Sampler
 from relax.agents._sessions import Choice, SessionStore
-from relax.agents._streaming import ChoiceStream
 from relax.agents._trajectory import Trajectory
 from relax.engines import EngineError, Generation, TokenEvent
 from relax.errors import BadRow
@@ -121,6 +122,7 @@ class AgentServer:
         self.default_max_tokens = default_max_tokens
         self.max_n = max_n
         self.on_finish = on_finish
+        self.render = Render(tokenizer, model_name)
         self._runner: web.AppRunner | None = None
         self._url: str | None = None
         self._created = int(time.time())
@@ -331,26 +333,16 @@ class AgentServer:
         return requested
 
     async def _generate(
-        self, call: _Call, on_event: Callable[[TokenEvent], Awaitable[None]] | None = None
+        self, call: Call, on_event: Callable[[TokenEvent], Awaitable[None]] | None = None
     ) -> list[Generation]:
         """The call's generations; ``on_event`` hears each token as it is sampled (awaited in
         order, so a slow client slows only its own stream)."""
-        body = call.body
+        assert call.params is not None
         queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
         task = asyncio.ensure_future(
             self.sampler.generate(
                 call.prompt,
-                max_new_tokens=call.max_tokens,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=max(body.top_k or 0, 0),
-                stop_token_ids=self.stop_token_ids,
-                n=body.n or 1,
-                seed=body.seed,
-                logit_bias=body.logit_bias,
-                presence_penalty=body.presence_penalty or 0.0,
-                frequency_penalty=body.frequency_penalty or 0.0,
-                top_logprobs=call.top,
+                call.params,
                 on_token=queue.put_nowait if on_event is not None else None,
             )
         )
@@ -374,33 +366,6 @@ class AgentServer:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
-
-    def _cut(self, gen: Generation, stops: list[str]) -> tuple[list[int], list[float], str, str]:
-        """A generation cut at the first stop string: kept ids, logprobs, text, finish reason."""
-        ids = gen.response_ids
-        if stops:
-            kept, text, stopped = cut_at_stop(self.tokenizer, ids, stops)
-        else:
-            kept, text, stopped = len(ids), self._decode(ids), False
-        return ids[:kept], gen.logprobs[:kept], text, "stop" if stopped else gen.finish_reason
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
-    def _token_strings(self, ids: Sequence[int]) -> list[str]:
-        return [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-
-    def _extensions(
-        self, session_id: str | None, gens: list[Generation], prompt: list[int]
-    ) -> dict[str, Any]:
-        version = min((g.version for g in gens), default=self.sampler.version)
-        return {"relax": {"version": version, "session": session_id}, "prompt_token_ids": prompt}
-
-    @staticmethod
-    def _versions(gen: Generation, kept: int) -> dict[str, Any]:
-        if gen.token_versions is None:
-            return {}
-        return {"token_versions": list(gen.token_versions[:kept])}
 
     def _usage(self, prompt: list[int], choices: list[Choice]) -> dict[str, int]:
         completion = sum(len(c.ids) for c in choices)
@@ -491,277 +456,86 @@ class AgentServer:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         use_tools = bool(tools) and body.tool_choice != "none"
         top = (body.top_logprobs or 0) if body.logprobs else 0
-        call = _Call("chat", body, bool(body.logprobs), top, use_tools)
-        async with self._hold(session_id):
+        call = Call("chat", body, bool(body.logprobs), top, use_tools, param="messages")
+
+        def prompt() -> list[int]:
             try:
-                prompt = self.sessions.chat_prompt(session_id, messages, tools)
+                return self.sessions.chat_prompt(session_id, messages, tools)
             except ChatFormatError as exc:
                 raise ApiError(400, str(exc), param="messages") from None
-            call.prompt = prompt
-            call.max_tokens = self._budget(
-                len(prompt), body.max_completion_tokens or body.max_tokens, "messages"
-            )
-            call.param = "messages"
-            if body.stream:
-                return await self._stream(request, call, session_id)
-            gens = await self._generate(call)
-            choices, finishes = self._choices(call, gens)
-            self.sessions.record(session_id, choices)
-        usage = self._usage(prompt, choices)
-        out = []
-        for i, (choice, finish) in enumerate(zip(choices, finishes, strict=True)):
-            out.append(
-                {
-                    "index": i,
-                    "message": choice.message,
-                    "finish_reason": finish,
-                    "logprobs": {"content": self._chat_logprobs(choice, 0, len(choice.ids))}
-                    if body.logprobs
-                    else None,
-                    "token_ids": choice.ids,
-                    **self._versions(choice.generation, len(choice.ids)),
-                }
-            )
-        return web.json_response(
-            {
-                **self._head("chatcmpl"),
-                "object": "chat.completion",
-                "choices": out,
-                "usage": usage,
-                **self._extensions(session_id, gens, prompt),
-            }
-        )
+
+        requested = body.max_completion_tokens or body.max_tokens
+        return await self._answer(request, call, session_id, prompt, requested)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body: CompletionRequest = await self._body(request, CompletionRequest)
         self._check_sampling(body)
         session_id = self._session_of(request)
         top = body.logprobs or 0
-        call = _Call("completions", body, body.logprobs is not None, top, False)
+        call = Call("completions", body, body.logprobs is not None, top, False, param="prompt")
+
+        def prompt() -> list[int]:
+            return self.sessions.completion_prompt(session_id, body.prompt)
+
+        return await self._answer(request, call, session_id, prompt, body.max_tokens)
+
+    async def _answer(
+        self,
+        request: web.Request,
+        call: Call,
+        session_id: str | None,
+        prompt: Callable[[], list[int]],
+        requested: int | None,
+    ) -> web.StreamResponse:
+        """Sample ``call`` (holding its session, whose state ``prompt`` continues) and answer
+        it, streamed or as one body; ``requested``: the request's ``max_tokens``."""
         async with self._hold(session_id):
-            prompt = self.sessions.completion_prompt(session_id, body.prompt)
-            call.prompt = prompt
-            call.max_tokens = self._budget(len(prompt), body.max_tokens, "prompt")
-            call.param = "prompt"
-            if body.stream:
+            call.prompt = prompt()
+            budget = self._budget(len(call.prompt), requested, call.param)
+            call.params = call.body.sampling_params(
+                max_tokens=budget,
+                top_logprobs=call.top,
+                stop_token_ids=self.stop_token_ids,
+                param=call.param,
+            )
+            if call.body.stream:
                 return await self._stream(request, call, session_id)
             gens = await self._generate(call)
-            choices, finishes = self._choices(call, gens)
+            choices, finishes = self.render.choices(call, gens)
             self.sessions.record(session_id, choices)
-        usage = self._usage(prompt, choices)
-        out = []
-        for i, (choice, finish) in enumerate(zip(choices, finishes, strict=True)):
-            out.append(
-                {
-                    "index": i,
-                    "text": choice.text,
-                    "finish_reason": finish,
-                    "logprobs": self._completion_logprobs(choice, 0, len(choice.ids), top)
-                    if call.logprobs
-                    else None,
-                    "token_ids": choice.ids,
-                    **self._versions(choice.generation, len(choice.ids)),
-                }
-            )
-        return web.json_response(
-            {
-                **self._head("cmpl"),
-                "object": "text_completion",
-                "choices": out,
-                "usage": usage,
-                **self._extensions(session_id, gens, prompt),
-            }
-        )
-
-    def _choices(self, call: _Call, gens: list[Generation]) -> tuple[list[Choice], list[str]]:
-        """Each generation as the reply it is: cut at stop strings, tool calls parsed."""
-        choices, finishes = [], []
-        for gen in gens:
-            ids, logprobs, text, finish = self._cut(gen, call.body.stop)
-            tops = gen.top_logprobs[: len(ids)] if gen.top_logprobs is not None else None
-            if call.kind == "chat":
-                content, calls = parse_tool_calls(text) if call.tools else (text, [])
-                message: dict[str, Any] = {"role": "assistant", "content": content}
-                if calls:
-                    message["content"] = content or None
-                    message["tool_calls"] = [c.openai() for c in calls]
-                    finish = "tool_calls"
-                choices.append(Choice(gen, ids, logprobs, message=message, top_logprobs=tops))
-            else:
-                choices.append(Choice(gen, ids, logprobs, text=text, top_logprobs=tops))
-            finishes.append(finish)
-        return choices, finishes
-
-    def _head(self, prefix: str) -> dict[str, Any]:
-        """The fields every response object (and stream chunk) of one call starts with."""
-        return {
-            "id": f"{prefix}-{uuid.uuid4().hex}",
-            "created": int(time.time()),
-            "model": self.model_name,
-        }
-
-    def _logprob_entry(self, token: int, logprob: float) -> dict[str, Any]:
-        s = self._token_strings([token])[0]
-        return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
-
-    def _chat_logprobs(self, choice: Choice, start: int, end: int) -> list[dict[str, Any]]:
-        """OpenAI's ``logprobs.content`` of tokens ``start:end`` of a reply."""
-        tops = choice.top_logprobs
-        out = []
-        for t in range(start, end):
-            entry = self._logprob_entry(choice.ids[t], choice.logprobs[t])
-            entry["top_logprobs"] = (
-                [self._logprob_entry(i, v) for i, v in tops[t]] if tops is not None else []
-            )
-            out.append(entry)
-        return out
-
-    def _completion_logprobs(
-        self, choice: Choice, start: int, end: int, top: int, offset: int = 0
-    ) -> dict[str, Any]:
-        """OpenAI's completions ``logprobs`` of tokens ``start:end``: ``top_logprobs`` holds
-        the ``top`` most likely tokens and, as OpenAI's does, the sampled one."""
-        ids = choice.ids[start:end]
-        tokens = self._token_strings(ids)
-        offsets = [offset + len(self._decode(ids[:k])) for k in range(len(ids))]
-        tops = None
-        if top > 0 and choice.top_logprobs is not None:
-            tops = []
-            for t, (token, lp) in enumerate(zip(tokens, choice.logprobs[start:end], strict=True)):
-                entry: dict[str, float] = {}
-                for i, v in choice.top_logprobs[start + t]:
-                    entry.setdefault(self._token_strings([i])[0], v)
-                entry.setdefault(token, lp)
-                tops.append(entry)
-        return {
-            "tokens": tokens,
-            "token_logprobs": list(choice.logprobs[start:end]),
-            "top_logprobs": tops,
-            "text_offset": offsets,
-        }
+        usage = self._usage(call.prompt, choices)
+        relax = relax_fields(session_id, gens, self.sampler.version)
+        return web.json_response(self.render.response(call, choices, finishes, usage, relax))
 
     # ------------------------------------------------------------------ streaming
 
     async def _stream(
-        self, request: web.Request, call: _Call, session_id: str | None
+        self, request: web.Request, call: Call, session_id: str | None
     ) -> web.StreamResponse:
-        """Serve a streamed call (holding its session): chunks go out as tokens are sampled.
-
-        The response opens with the first token, so a request refused before any token is
-        sampled is still an ordinary error answer; a failure after that is an ``error`` event
-        (the ``openai`` client raises it) closing the stream.
-        """
-        n = call.body.n or 1
-        chat = call.kind == "chat"
-        streams = [ChoiceStream(self._decode, call.body.stop, call.tools) for _ in range(n)]
-        base = {
-            **self._head("chatcmpl" if chat else "cmpl"),
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "relax": {"version": self.sampler.version, "session": session_id},
-            "prompt_token_ids": call.prompt,
-        }
-        include_usage = bool(call.body.stream_options and call.body.stream_options.include_usage)
-        if include_usage:
-            base["usage"] = None
-        response: web.StreamResponse | None = None
-        offsets = [0] * n
-
-        def chunk(i: int, **fields: Any) -> dict[str, Any]:
-            choice = {"index": i, "finish_reason": None, "logprobs": None, **fields}
-            return {**base, "choices": [choice]}
-
-        async def opened() -> web.StreamResponse:
-            nonlocal response
-            if response is None:
-                response = await self._open_stream(request)
-                if chat:
-                    for i in range(n):
-                        delta = {"role": "assistant", "content": ""}
-                        await self._send(response, chunk(i, delta=delta))
-            return response
-
-        def piece_chunk(
-            i: int,
-            piece: str,
-            start: int,
-            end: int,
-            ids: list[int],
-            lps: list[float],
-            tops: list[list[tuple[int, float]]] | None,
-        ) -> dict[str, Any]:
-            partial = Choice(None, ids, lps, top_logprobs=tops)  # type: ignore[arg-type]
-            if chat:
-                scored = (
-                    {"content": self._chat_logprobs(partial, start, end)} if call.logprobs else None
-                )
-                return chunk(i, delta={"content": piece}, logprobs=scored)
-            scored = (
-                self._completion_logprobs(partial, start, end, call.top, offsets[i])
-                if call.logprobs
-                else None
-            )
-            offsets[i] += len(piece)
-            return chunk(i, text=piece, logprobs=scored)
-
-        async def on_event(event: TokenEvent) -> None:
-            out = await opened()
-            state = streams[event.sequence]
-            sent = state.add(event)
-            if sent is not None:
-                piece, start, end = sent
-                tops = cast(list[list[tuple[int, float]]], state.tops) if call.top else None
-                data = piece_chunk(
-                    event.sequence, piece, start, end, state.ids, state.logprobs, tops
-                )
-                await self._send(out, data)
-
+        """Serve a streamed call (holding its session): chunks go out as tokens are sampled
+        (see ``SseStream``); a client gone mid-stream records nothing."""
+        stream = SseStream(
+            self.render, call, session_id, self.sampler.version, lambda: self._open_stream(request)
+        )
         try:
-            gens = await self._generate(call, on_event)
+            gens = await self._generate(call, stream.on_event)
         except ApiError as exc:
-            if response is None:
+            if stream.response is None:
                 raise
             with contextlib.suppress(ConnectionError):
-                await self._send(response, {"error": exc.body()})
-                await response.write_eof()
+                await stream.fail(exc.body())
             self._errors[exc.type] += 1
-            return response
+            return stream.response
         except ConnectionError:  # the client went away mid-stream: nothing is recorded
             self._stats["cancelled"] += 1
-            assert response is not None
-            return response
-        choices, finishes = self._choices(call, gens)
+            assert stream.response is not None
+            return stream.response
+        choices, finishes = self.render.choices(call, gens)
         self.sessions.record(session_id, choices)
         usage = self._usage(call.prompt, choices)
-        out = await opened()
+        out = await stream.opened()
         with contextlib.suppress(ConnectionError):
-            for i, (choice, finish) in enumerate(zip(choices, finishes, strict=True)):
-                message = choice.message or {}
-                text = (message.get("content") or "") if chat else (choice.text or "")
-                rest, start, end = streams[i].finish(text, len(choice.ids))
-                if rest or (call.logprobs and end > start):
-                    data = piece_chunk(
-                        i, rest, start, end, choice.ids, choice.logprobs, choice.top_logprobs
-                    )
-                    await self._send(out, data)
-                calls = message.get("tool_calls")
-                if calls:
-                    deltas = [{"index": j, **c} for j, c in enumerate(calls)]
-                    await self._send(out, chunk(i, delta={"tool_calls": deltas}))
-                last = {"delta": {}} if chat else {"text": ""}
-                await self._send(
-                    out,
-                    chunk(
-                        i,
-                        **last,
-                        finish_reason=finish,
-                        token_ids=choice.ids,
-                        **self._versions(choice.generation, len(choice.ids)),
-                    ),
-                )
-            if include_usage:
-                await self._send(out, {**base, "choices": [], "usage": usage})
-            await self._send(out, "[DONE]")
-            await out.write_eof()
+            await stream.finish(choices, finishes, usage)
         return out
 
     async def _open_stream(self, request: web.Request) -> web.StreamResponse:
@@ -775,25 +549,3 @@ class AgentServer:
         )
         await response.prepare(request)
         return response
-
-    @staticmethod
-    async def _send(response: web.StreamResponse, data: dict[str, Any] | str) -> None:
-        text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-        await response.write(f"data: {text}\n\n".encode())
-
-
-class _Call:
-    """One generation call as the routes and the stream see it."""
-
-    def __init__(
-        self,
-        kind: str,
-        body: ChatRequest | CompletionRequest,
-        logprobs: bool,
-        top: int,
-        tools: bool,
-    ) -> None:
-        self.kind, self.body, self.logprobs, self.top, self.tools = kind, body, logprobs, top, tools
-        self.prompt: list[int] = []
-        self.max_tokens = 1
-        self.param = "messages"

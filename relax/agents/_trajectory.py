@@ -19,6 +19,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relax.agents._media import merge_media
+from relax.schema import (
+    EPISODE_END,
+    EPISODE_REASON,
+    LOGPROBS,
+    LOSS_MASK,
+    MM_INPUTS,
+    PROMPT_IDS,
+    RESPONSE_IDS,
+    REWARD,
+    SESSION,
+    SUCCESS,
+    TOKEN_VERSIONS,
+    TURNS,
+)
 
 END_REASONS = ("done", "max_turns", "token_budget", "tool_error", "tool_timeout", "agent_error")
 """Why an episode ended: the environment said done, a budget ran out, or a failure."""
@@ -115,22 +129,22 @@ class Trajectory:
     def columns(self) -> dict[str, Any]:
         """The row's columns on the sample bus (``reward`` included: the episode scored it)."""
         columns = {
-            "prompt_ids": list(self.prompt_ids),
-            "response_ids": list(self.response_ids),
-            "logprobs": list(self.logprobs),
-            "loss_mask": list(self.loss_mask),
-            "token_versions": list(self.token_versions),
-            "reward": float(self.reward),
-            "turns": self.turns,
-            "episode_end": self.end or "",
-            "episode_reason": self.reason,
+            PROMPT_IDS: list(self.prompt_ids),
+            RESPONSE_IDS: list(self.response_ids),
+            LOGPROBS: list(self.logprobs),
+            LOSS_MASK: list(self.loss_mask),
+            TOKEN_VERSIONS: list(self.token_versions),
+            REWARD: float(self.reward),
+            TURNS: self.turns,
+            EPISODE_END: self.end or "",
+            EPISODE_REASON: self.reason,
         }
         if "success" in self.info:
-            columns["success"] = float(bool(self.info["success"]))
+            columns[SUCCESS] = float(bool(self.info["success"]))
         if "session" in self.info:  # the endpoint session it was recorded from
-            columns["session"] = str(self.info["session"])
+            columns[SESSION] = str(self.info["session"])
         if self.mm_inputs:
-            columns["mm_inputs"] = dict(self.mm_inputs)
+            columns[MM_INPUTS] = dict(self.mm_inputs)
         return columns
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from relax.bus._weights import VersionGone
 from relax.errors import BusError, UploadLost, error_from_dict
+from relax.schema import BusStatistics, NewRow, TakenRow, TakeReply
 from relax.transport import Limits, connect
 
 # The server may hold a request for `wait` seconds; the transport gets this much more on top.
@@ -41,7 +42,7 @@ class Batch:
     task: str
     lease: int = 0
     trainer_version: int = 0
-    rows: list[dict[str, Any]] = field(default_factory=list)
+    rows: list[TakenRow] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)
     acked: bool = False
     """Set once the rows were acked together with a weights commit (nothing left to ack)."""
@@ -113,7 +114,7 @@ class BusClient:
             {"op": "admit", "group": group, "rows": rows, "version": version, "wait": wait}, wait
         )
 
-    async def put(self, rows: list[dict[str, Any]], *, wait: float = 60.0) -> int:
+    async def put(self, rows: list[NewRow], *, wait: float = 60.0) -> int:
         """Add rows (all or nothing), waiting while the bus is full. Returns rows added."""
         return await self._call({"op": "put", "rows": rows, "wait": wait}, wait)
 
@@ -156,7 +157,7 @@ class BusClient:
         unit (row or whole group) holding a row of more than ``max_row_tokens`` tokens is
         dropped as "oversized" (counted), like one above the whole ``token_budget``.
         """
-        reply = await self._call(
+        reply: TakeReply | None = await self._call(
             {
                 "op": "take",
                 "task": task,
@@ -217,7 +218,7 @@ class BusClient:
     async def set_trainer_version(self, version: int) -> int:
         return await self._call({"op": "version", "version": version})
 
-    async def statistics(self) -> dict[str, Any]:
+    async def statistics(self) -> BusStatistics:
         return await self._call({"op": "stats"})
 
     # ------------------------------------------------------------------ weights

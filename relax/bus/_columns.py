@@ -2,7 +2,8 @@
 
 Rows are checked where they enter the bus (a put, a column write), so a malformed row is
 refused with an error naming its uid and the bad field, and nothing of that request is applied.
-A column not declared here (a user's own, ``answer``) passes through unchecked.
+A column not declared here (a user's own, ``answer``) passes through unchecked. The column
+names are ``relax.schema``'s (every floor uses them); their types are declared here.
 
 Columns arrive in wire form: plain msgpack values, or tensors as ``RawTensor`` (dtype, shape,
 bytes) — or, over ``inproc://``, as the sender's torch tensors. Checks read only dtype names
@@ -22,24 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import relax.schema as names
 from relax.errors import BadColumn, BadRow
-
-PROMPT_IDS = "prompt_ids"
-RESPONSE_IDS = "response_ids"
-LOGPROBS = "logprobs"
-REF_LOGPROBS = "ref_logprobs"
-VALUES = "values"
-LOSS_MASK = "loss_mask"
-TOKEN_VERSIONS = "token_versions"
-REWARD = "reward"
-SUCCESS = "success"
-TURNS = "turns"
-EPISODE_END = "episode_end"
-EPISODE_REASON = "episode_reason"
-SESSION = "session"
-TEXT = "text"
-MEDIA_TOKENS = "media_tokens"
-MM_INPUTS = "mm_inputs"
 
 
 @dataclass(frozen=True)
@@ -57,24 +42,24 @@ class Column:
 
 
 SCHEMA: Mapping[str, Column] = {
-    PROMPT_IDS: Column("int", 1),
-    RESPONSE_IDS: Column("int", 1),
+    names.PROMPT_IDS: Column("int", 1),
+    names.RESPONSE_IDS: Column("int", 1),
     # Log-probs and values are computed by our own roles; a non-finite one is the training
     # step's to skip (it guards non-finite losses), not a reason to refuse the row.
-    LOGPROBS: Column("float", 1, per_token=True),
-    REF_LOGPROBS: Column("float", 1, per_token=True),
-    VALUES: Column("float", 1, per_token=True),
-    LOSS_MASK: Column("int", 1, per_token=True),
-    TOKEN_VERSIONS: Column("int", 1, per_token=True),
-    REWARD: Column("float", 0, finite=True),
-    SUCCESS: Column("float", 0, finite=True),
-    TURNS: Column("int", 0),
-    MEDIA_TOKENS: Column("int", 0),
-    EPISODE_END: Column("str"),
-    EPISODE_REASON: Column("str"),
-    SESSION: Column("str"),
-    TEXT: Column("str"),
-    MM_INPUTS: Column("dict"),
+    names.LOGPROBS: Column("float", 1, per_token=True),
+    names.REF_LOGPROBS: Column("float", 1, per_token=True),
+    names.VALUES: Column("float", 1, per_token=True),
+    names.LOSS_MASK: Column("int", 1, per_token=True),
+    names.TOKEN_VERSIONS: Column("int", 1, per_token=True),
+    names.REWARD: Column("float", 0, finite=True),
+    names.SUCCESS: Column("float", 0, finite=True),
+    names.TURNS: Column("int", 0),
+    names.MEDIA_TOKENS: Column("int", 0),
+    names.EPISODE_END: Column("str"),
+    names.EPISODE_REASON: Column("str"),
+    names.SESSION: Column("str"),
+    names.TEXT: Column("str"),
+    names.MM_INPUTS: Column("dict"),
 }
 """The declared columns. Anything else on a row is the user's and is not checked."""
 
@@ -155,9 +140,9 @@ def column_problem(
             problem = _problem(col, value)
             if problem is not None:
                 return name, problem
-    response = columns.get(RESPONSE_IDS)
+    response = columns.get(names.RESPONSE_IDS)
     if response is None and existing is not None:
-        response = existing.get(RESPONSE_IDS)
+        response = existing.get(names.RESPONSE_IDS)
     if response is None:
         return None
     n = _length(response)
@@ -165,7 +150,7 @@ def column_problem(
         if not col.per_token:
             continue
         value = columns.get(name)
-        if value is None and existing is not None and RESPONSE_IDS in columns:
+        if value is None and existing is not None and names.RESPONSE_IDS in columns:
             value = existing.get(name)  # response_ids written after a per-token column
         if value is not None and _length(value) != n:
             return name, f"has {_length(value)} entries but response_ids has {n}"

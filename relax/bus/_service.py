@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import math
 import os
 import signal
 import time
@@ -24,9 +23,10 @@ from typing import Any
 from relax.actors import Actor
 from relax.bus._columns import check_rows
 from relax.bus._log import SegmentLog
-from relax.bus._table import BusTable, Op
+from relax.bus._table import BusTable
 from relax.bus._weights import WeightStore
 from relax.errors import BadRow, BusError, error_to_dict
+from relax.schema import BusStatistics, Op, Staleness, StalenessWire, TakenRow, TakeReply
 from relax.transport import Limits, Peer, dumps, loads, serve
 from relax.transport._wire import dumps_parts
 
@@ -47,7 +47,7 @@ class BusService(Actor):
         tasks: list[str] | tuple[str, ...] = ("train",),
         trainer_task: str = "train",
         capacity: int = 1024,
-        staleness: float | str = 1,
+        staleness: Staleness | StalenessWire | float = 1,
         batch_size: int = 16,
         lease_timeout: float = 60.0,
         admission_timeout: float = 120.0,
@@ -62,12 +62,11 @@ class BusService(Actor):
     ) -> None:
         self.url = url
         self.run_dir = run_dir
-        bound = math.inf if staleness in ("inf", math.inf) else float(staleness)
         self.table = BusTable(
             tasks=tuple(tasks),
             trainer_task=trainer_task,
             capacity=capacity,
-            staleness=bound,
+            staleness=Staleness.parse(staleness),
             batch_size=batch_size,
         )
         self.lease_timeout = lease_timeout
@@ -154,7 +153,7 @@ class BusService(Actor):
         if self.log_file is not None:
             await asyncio.get_running_loop().run_in_executor(self.writer, self.log_file.sync)
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> BusStatistics:
         stats = self.table.statistics()
         stats["service"] = dict(self.stats)
         stats["weights"] = self.weights.statistics()
@@ -214,7 +213,7 @@ class BusService(Actor):
         await self._commit(ops)
         return errors
 
-    async def _op_take(self, req: dict[str, Any], peer: Peer) -> dict[str, Any] | None:
+    async def _op_take(self, req: dict[str, Any], peer: Peer) -> TakeReply | None:
         columns = tuple(req.get("columns") or ())
         optional = tuple(req.get("optional") or ())
         dropped: list[Op] = []
@@ -242,7 +241,7 @@ class BusService(Actor):
             return None
         ops, lease = found
         await self._commit(ops)
-        rows = []
+        rows: list[TakenRow] = []
         for uid, attempt_no in lease.items.items():
             row = self.table.rows[uid]
             cols = (
@@ -305,7 +304,7 @@ class BusService(Actor):
         await self._commit(self.table.set_version(int(req["version"])))
         return self.table.version
 
-    async def _op_stats(self, req: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    async def _op_stats(self, req: dict[str, Any], peer: Peer) -> BusStatistics:
         return self.statistics()
 
     # weights: begin/bucket/commit by the trainer; poll/bucket by subscribers

@@ -1,9 +1,10 @@
 """The TransferQueue's state: a table of sample rows, leases, acks and staleness admission.
 
-Pure, synchronous and deterministic: every change is an *op* (a small dict) applied by
-``apply``. Live calls decide (which rows a take leases, which rows are too stale) and return the
-ops they applied; the bus service appends those ops to its log *before* it answers, and a
-restarted bus rebuilds this table by applying the logged ops again. Time comes in as an
+Pure, synchronous and deterministic: every change is an *op* (a small dict, one
+``relax.schema`` ``TypedDict`` per kind) applied by ``apply`` through ``OP_HANDLERS``, the one
+table from op kind to handler. Live calls decide (which rows a take leases, which rows are too
+stale) and return the ops they applied; the bus service appends those ops to its log *before*
+it answers, and a restarted bus rebuilds this table by applying the logged ops again. Time comes in as an
 argument, never from a clock in here, so tests and replay are exact.
 
 Rows, per the design's "Samples" contract: ``uid`` (unique, stable across retries), ``group``
@@ -26,14 +27,36 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from relax.bus._columns import check_columns, check_rows
 from relax.errors import BadRow, BusError, ColumnConflict, UnknownTask  # re-exported here
+from relax.schema import (
+    PROMPT_IDS,
+    RESPONSE_IDS,
+    TOKEN_VERSIONS,
+    AckOp,
+    AdmitOp,
+    BusStatistics,
+    ColumnsOp,
+    CommitOp,
+    CountOp,
+    DropOp,
+    ExpireOp,
+    LeaseOp,
+    Op,
+    PutOp,
+    ReleaseOp,
+    Staleness,
+    StateOp,
+    TaskCounts,
+    UnadmitOp,
+    VersionOp,
+)
 from relax.transport import RawTensor
 
-Op = dict[str, Any]
 Item = tuple[str, int]  # (uid, attempt): what a lease hands out and an ack must quote back
 
 
@@ -71,7 +94,7 @@ class Admission:
 def count_tokens(columns: dict[str, Any]) -> int:
     """Tokens a row costs against a take's token budget: its prompt and response ids."""
     total = 0
-    for name in ("prompt_ids", "response_ids"):
+    for name in (PROMPT_IDS, RESPONSE_IDS):
         value = columns.get(name)
         if value is not None and hasattr(value, "__len__"):
             total += len(value)
@@ -150,7 +173,7 @@ class BusTable:
         tasks: tuple[str, ...] = ("train",),
         trainer_task: str = "train",
         capacity: int = 1024,
-        staleness: float = 1,
+        staleness: Staleness | int | float | str = 1,
         batch_size: int = 16,
         dedup_window: int = 1_000_000,
     ) -> None:
@@ -159,7 +182,7 @@ class BusTable:
         self.tasks = tuple(tasks)
         self.trainer_task = trainer_task
         self.capacity = capacity
-        self.staleness = staleness
+        self.staleness = Staleness.parse(staleness)
         self.batch_size = batch_size
         self.dedup_window = dedup_window
         self.rows: OrderedDict[str, Row] = OrderedDict()
@@ -183,7 +206,7 @@ class BusTable:
 
     def min_version(self) -> float:
         """Oldest row version the trainer may still receive."""
-        return -math.inf if math.isinf(self.staleness) else self.version - self.staleness
+        return self.staleness.oldest_version(self.version)
 
     def admitted_rows(self) -> int:
         return sum(a.rows for a in self.admissions.values())
@@ -422,20 +445,18 @@ class BusTable:
         """
         if group in self.admissions or group in self.groups:
             return [], "ok"  # a retried admission
-        if not math.isinf(self.staleness) and version < self.version - self.staleness:
+        if self.staleness.too_stale(version, self.version):
             return [], "behind"
         if self.room() < rows:
             return [], "full"
-        if not math.isinf(self.staleness):
+        if self.staleness.bounded:
             in_play = self.trained + self.queued_for_trainer() + self.admitted_rows()
             # Batches consumed so far = versions + skipped steps; a row admitted now will be
             # consumed within `staleness` of them.
             skipped = self.counters["skipped_steps"]
-            if in_play + rows > (version + skipped + self.staleness + 1) * self.batch_size:
-                if (
-                    in_play + rows
-                    <= (self.version + skipped + self.staleness + 1) * self.batch_size
-                ):
+            allowed = self.staleness.rows_in_play
+            if in_play + rows > allowed(version + skipped, self.batch_size):
+                if in_play + rows <= allowed(self.version + skipped, self.batch_size):
                     # Newer weights than the producer's would be admitted now: have it sync,
                     # rather than wait for a trainer that has already moved on.
                     return [], "behind"
@@ -555,82 +576,123 @@ class BusTable:
         self.mark_seq([op], seq)
 
     def _apply(self, op: Op) -> None:
-        kind = op["op"]
-        if kind == "put":
-            for r in op["rows"]:
-                self._insert(r)
-        elif kind == "columns":
-            row = self.rows.get(op["uid"])
+        handler = self.OP_HANDLERS.get(op["op"])
+        if handler is None:
+            raise BusError(f"unknown op {op['op']!r} in the bus log")
+        handler(self, op)
+
+    def _apply_put(self, op: PutOp) -> None:
+        for r in op["rows"]:
+            self._insert(r)
+
+    def _apply_columns(self, op: ColumnsOp) -> None:
+        row = self.rows.get(op["uid"])
+        if row is not None:
+            row.columns.update(op["columns"])
+            row.tokens = count_tokens(row.columns)
+
+    def _apply_lease(self, op: LeaseOp) -> None:
+        items = {}
+        for uid, attempt in op["items"]:
+            row = self.rows.get(uid)
             if row is not None:
-                row.columns.update(op["columns"])
-                row.tokens = count_tokens(row.columns)
-        elif kind == "lease":
-            items = {}
-            for uid, attempt in op["items"]:
-                row = self.rows.get(uid)
-                if row is not None:
-                    row.progress[op["task"]] = ("leased", attempt, op["id"])
-                    items[uid] = attempt
-            self.leases[op["id"]] = Lease(op["id"], op["task"], op["holder"], op["deadline"], items)
-            self.next_lease = max(self.next_lease, op["id"] + 1)
-            self.counters["leases"] += 1
-        elif kind == "ack":
-            for uid, attempt in op["items"]:
-                self._ack_one(op["task"], uid, attempt)
-        elif kind == "release":
-            for uid, attempt in op["items"]:
-                row = self.rows.get(uid)
-                if row is not None:
-                    self._settle_lease(op["task"], uid)
-                    row.progress[op["task"]] = ("pending", attempt)
-            self.counters["released"] += len(op["items"])
-        elif kind == "expire":
-            lease = self.leases.pop(op["id"], None)
-            if lease is not None:
-                for uid, attempt in lease.items.items():
-                    row = self.rows.get(uid)
-                    if row is not None and row.progress[lease.task] == (
-                        "leased",
-                        attempt,
-                        lease.id,
-                    ):
-                        row.progress[lease.task] = ("pending", attempt)
-                self.counters["expired_leases"] += 1
-        elif kind == "drop":
-            for uid in op["uids"]:
-                self._remove(uid, finished=True)
-            for group in op.get("groups", ()):
-                self._remember(self.dropped_groups, group)
-                self.admissions.pop(group, None)
-            self.counters[f"dropped_{op['reason']}"] += len(op["uids"])
-        elif kind == "admit":
-            self.admissions[op["group"]] = Admission(
-                op["group"], op["rows"], op["version"], op["deadline"]
-            )
-            self.counters["admitted"] += op["rows"]
-        elif kind == "unadmit":
-            if self.admissions.pop(op["group"], None) is not None:
-                self.counters["expired_admissions"] += 1
-        elif kind == "version":
+                row.progress[op["task"]] = ("leased", attempt, op["id"])
+                items[uid] = attempt
+        self.leases[op["id"]] = Lease(op["id"], op["task"], op["holder"], op["deadline"], items)
+        self.next_lease = max(self.next_lease, op["id"] + 1)
+        self.counters["leases"] += 1
+
+    def _apply_ack(self, op: AckOp) -> None:
+        for uid, attempt in op["items"]:
+            self._ack_one(op["task"], uid, attempt)
+
+    def _apply_release(self, op: ReleaseOp) -> None:
+        for uid, attempt in op["items"]:
+            row = self.rows.get(uid)
+            if row is not None:
+                self._settle_lease(op["task"], uid)
+                row.progress[op["task"]] = ("pending", attempt)
+        self.counters["released"] += len(op["items"])
+
+    def _apply_expire(self, op: ExpireOp) -> None:
+        lease = self.leases.pop(op["id"], None)
+        if lease is None:
+            return
+        for uid, attempt in lease.items.items():
+            row = self.rows.get(uid)
+            if row is not None and row.progress[lease.task] == ("leased", attempt, lease.id):
+                row.progress[lease.task] = ("pending", attempt)
+        self.counters["expired_leases"] += 1
+
+    def _apply_drop(self, op: DropOp) -> None:
+        for uid in op["uids"]:
+            self._remove(uid, finished=True)
+        for group in op.get("groups", ()):
+            self._remember(self.dropped_groups, group)
+            self.admissions.pop(group, None)
+        self.counters[f"dropped_{op['reason']}"] += len(op["uids"])
+
+    def _apply_admit(self, op: AdmitOp) -> None:
+        self.admissions[op["group"]] = Admission(
+            op["group"], op["rows"], op["version"], op["deadline"]
+        )
+        self.counters["admitted"] += op["rows"]
+
+    def _apply_unadmit(self, op: UnadmitOp) -> None:
+        if self.admissions.pop(op["group"], None) is not None:
+            self.counters["expired_admissions"] += 1
+
+    def _apply_version(self, op: VersionOp) -> None:
+        self.version = max(self.version, op["version"])
+
+    def _apply_count(self, op: CountOp) -> None:
+        self.counters[op["name"]] += op["n"]
+
+    def _apply_commit(self, op: CommitOp) -> None:
+        # See commit_weights; replay applies the op's "drop" after this.
+        for uid, attempt in op["items"]:
+            self._ack_one(op["task"], uid, attempt)
+        if op["ignored"]:
+            self.counters["ignored_acks"] += op["ignored"]
+        self.weights_version = max(self.weights_version, op["version"])
+        self.publishes[op["version"]] = op["publish"]
+        for old in sorted(self.publishes)[:-16]:  # a retry only ever quotes a recent one
+            del self.publishes[old]
+        if op["set_version"]:
             self.version = max(self.version, op["version"])
-        elif kind == "count":
-            self.counters[op["name"]] += op["n"]
-        elif kind == "commit":  # see commit_weights; replay applies "drop" after this
-            for uid, attempt in op["items"]:
-                self._ack_one(op["task"], uid, attempt)
-            if op["ignored"]:
-                self.counters["ignored_acks"] += op["ignored"]
-            self.weights_version = max(self.weights_version, op["version"])
-            self.publishes[op["version"]] = op["publish"]
-            for old in sorted(self.publishes)[:-16]:  # a retry only ever quotes a recent one
-                del self.publishes[old]
-            if op["set_version"]:
-                self.version = max(self.version, op["version"])
-            self.counters["weight_commits"] += 1
-        elif kind == "state":
-            self._restore(op)
-        else:
-            raise BusError(f"unknown op {kind!r} in the bus log")
+        self.counters["weight_commits"] += 1
+
+    def _apply_state(self, op: StateOp) -> None:
+        self.version = max(self.version, op["version"])
+        self.weights_version = max(self.weights_version, op.get("weights_version", -1))
+        self.publishes.update({int(v): p for v, p in op.get("publishes", ())})
+        self.next_lease = max(self.next_lease, op["next_lease"])
+        self.counters = Counter(op["counters"])
+        for uid in op["finished"]:
+            self.finished[uid] = None
+            if uid in self.rows:
+                self._remove(uid, finished=False)
+        for group in op.get("dropped_groups", ()):
+            self.dropped_groups[group] = None
+        self.admissions = {g: Admission(g, n, v, d) for g, n, v, d in op["admissions"]}
+
+    OP_HANDLERS: ClassVar[Mapping[str, Callable[[BusTable, Any], None]]] = {
+        "put": _apply_put,
+        "columns": _apply_columns,
+        "lease": _apply_lease,
+        "ack": _apply_ack,
+        "release": _apply_release,
+        "expire": _apply_expire,
+        "drop": _apply_drop,
+        "admit": _apply_admit,
+        "unadmit": _apply_unadmit,
+        "version": _apply_version,
+        "count": _apply_count,
+        "commit": _apply_commit,
+        "state": _apply_state,
+    }
+    """How each kind of op (``relax.schema.OpKind``) changes the table: the one place an op
+    is applied, live or replayed from the log."""
 
     def _insert(self, r: dict[str, Any]) -> None:
         if r["uid"] in self.rows or r["uid"] in self.finished:
@@ -641,7 +703,7 @@ class BusTable:
             return
         columns = dict(r.get("columns") or {})
         version = int(r["version"])
-        per_token = _plain(columns.get("token_versions"))
+        per_token = _plain(columns.get(TOKEN_VERSIONS))
         if per_token is not None and len(per_token):
             # A generation that spanned a weight update is as stale as its oldest token.
             version = min(version, int(min(per_token)))
@@ -713,7 +775,7 @@ class BusTable:
 
     # ------------------------------------------------------------------ compaction
 
-    def state_op(self) -> Op:
+    def state_op(self) -> StateOp:
         """A snapshot of everything but the rows themselves (rows keep their put records)."""
         return {
             "op": "state",
@@ -729,28 +791,14 @@ class BusTable:
             ],
         }
 
-    def _restore(self, op: Op) -> None:
-        self.version = max(self.version, op["version"])
-        self.weights_version = max(self.weights_version, op.get("weights_version", -1))
-        self.publishes.update({int(v): p for v, p in op.get("publishes", ())})
-        self.next_lease = max(self.next_lease, op["next_lease"])
-        self.counters = Counter(op["counters"])
-        for uid in op["finished"]:
-            self.finished[uid] = None
-            if uid in self.rows:
-                self._remove(uid, finished=False)
-        for group in op.get("dropped_groups", ()):
-            self.dropped_groups[group] = None
-        self.admissions = {g: Admission(g, n, v, d) for g, n, v, d in op["admissions"]}
-
     def oldest_live_seq(self) -> int | None:
         """Log position of the oldest row still in the table (segments before it may go)."""
         return min((r.seq for r in self.rows.values()), default=None)
 
     # ------------------------------------------------------------------ statistics
 
-    def statistics(self) -> dict[str, Any]:
-        by_task = {}
+    def statistics(self) -> BusStatistics:
+        by_task: dict[str, TaskCounts] = {}
         for task in self.tasks:
             states = Counter(row.progress[task][0] for row in self.rows.values())
             by_task[task] = {
@@ -767,7 +815,7 @@ class BusTable:
             "leases": len(self.leases),
             "admitted_rows": self.admitted_rows(),
             "trainer_version": self.version,
-            "staleness": "inf" if math.isinf(self.staleness) else self.staleness,
+            "staleness": self.staleness.wire,
             "tasks": by_task,
             "versions_in_flight": {str(v): n for v, n in sorted(versions.items())},
             "counters": dict(self.counters),

@@ -9,27 +9,27 @@ where one helps.
     cfg.staleness_bound        # 2.0, or inf for fully async
     print(cfg.summary())
 
-This module sits on a low floor: it imports only the standard library, pydantic and
-``relax.errors`` (and its own private ``relax.config._*`` helpers), so it stays quick to import.
+This module sits on a low floor: it imports only the standard library, pydantic,
+``relax.errors``, ``relax.schema`` and ``relax.importpath`` (and its own private
+``relax.config._*`` helpers), so it stays quick to import. ``cfg.staleness`` is a ``relax.schema.Staleness``.
 The field docstrings are the user documentation of every key; ``examples/quickstart/cluster.toml``
 shows them all with their defaults.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from relax.config._base import (
     ConfigModel,
     FrozenList,
     Problems,
-    Staleness,
+    StalenessSetting,
     format_path,
     show,
 )
@@ -84,7 +84,7 @@ GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 class ClusterConfig(ConfigModel):
     """A whole ``cluster.toml``: every table is optional except ``[model]``."""
 
-    staleness: Staleness = 1
+    staleness: StalenessSetting = Field(1, validate_default=True)
     """How many policy versions generation may run ahead of training: 0 is strict on-policy, k is bounded async, "inf" (or bare inf) is fully async."""
     cluster: ClusterSection = ClusterSection()
     """Name, network endpoints and shared secret of the cluster."""
@@ -205,18 +205,19 @@ class ClusterConfig(ConfigModel):
     @property
     def staleness_bound(self) -> float:
         """The staleness as a number: ``k`` as a float, ``math.inf`` when fully async."""
-        return math.inf if self.staleness == "inf" else float(self.staleness)
+        return self.staleness.limit
 
     @property
     def staleness_mode(self) -> str:
         """``on-policy (0)``, ``one-step off-policy (k=1)``, ``bounded async (k=3)`` or ``fully async (inf)``."""
-        if self.staleness == "inf":
+        k = self.staleness.versions
+        if k is None:
             return "fully async (inf)"
-        if self.staleness == 0:
+        if k == 0:
             return "on-policy (0)"
-        if self.staleness == 1:
+        if k == 1:
             return "one-step off-policy (k=1)"
-        return f"bounded async (k={self.staleness})"
+        return f"bounded async (k={k})"
 
     @property
     def roles(self) -> dict[str, RoleConfig]:

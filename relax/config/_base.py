@@ -20,8 +20,19 @@ import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, NoReturn, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, WithJsonSchema
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    WithJsonSchema,
+)
 from pydantic_core import PydanticCustomError
+
+from relax.importpath import IMPORT_PATH, import_path_problem
+from relax.schema import Staleness, StalenessWire, staleness_problem
 
 PathPart = str | int
 
@@ -127,27 +138,11 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _staleness(value: Any) -> int | Literal["inf"]:
-    expected = 'must be 0, a positive integer or "inf"'
-    if isinstance(value, bool):
-        raise value_error(f"{expected}, got {show(value)}")
-    if isinstance(value, int):
-        if value < 0:
-            raise value_error(f"{expected}, got {value}", "0 is strict on-policy")
-        return value
-    if isinstance(value, float):
-        if math.isinf(value) and value > 0:
-            return "inf"
-        if value.is_integer() and value >= 0:
-            raise value_error(f"{expected}, got {value}", f"write {int(value)} without the '.0'")
-        raise value_error(f"{expected}, got {show(value)}")
-    if isinstance(value, str):
-        if value.strip().lower() in ("inf", "infinity", "infinite"):
-            if value == "inf":
-                return "inf"
-            raise value_error(f"{expected}, got {show(value)}", 'write "inf"')
-        raise value_error(f"{expected}, got {show(value)}")
-    raise value_error(f"{expected}, got {show(value)}")
+def _staleness(value: Any) -> Staleness:
+    problem = staleness_problem(value, show)
+    if problem is not None:
+        raise value_error(*problem)
+    return Staleness.parse(value)
 
 
 def _shutdown(value: Any) -> float | Literal["brutal_kill"]:
@@ -158,20 +153,6 @@ def _shutdown(value: Any) -> float | Literal["brutal_kill"]:
         return float(value)
     hint = 'write "brutal_kill"' if isinstance(value, str) and "kill" in value.lower() else None
     raise value_error(f"{expected}, got {show(value)}", hint)
-
-
-_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-
-
-def import_path_problem(value: str) -> tuple[str, str | None] | None:
-    """(message, hint) when ``value`` is not ``"package.module:name"``; None when it is."""
-    if _IMPORT_PATH.match(value):
-        return None
-    hint = None
-    if ":" not in value and "." in value:
-        module, _, name = value.rpartition(".")
-        hint = f'did you mean "{module}:{name}"?'
-    return f'must be an import path like "package.module:name", got {show(value)}', hint
 
 
 def _import_path(value: Any) -> str:
@@ -199,12 +180,14 @@ def _safe_name(value: Any) -> str:
     return value
 
 
-Staleness = Annotated[
-    int | Literal["inf"],
+StalenessSetting = Annotated[
+    Staleness,
     PlainValidator(_staleness),
+    PlainSerializer(lambda value: value.wire, return_type=StalenessWire),
     WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 0}, {"const": "inf"}]}),
 ]
-"""``0``, a positive integer, or ``"inf"`` (TOML's bare ``inf`` is accepted and normalised)."""
+"""``0``, a positive integer, or ``"inf"`` (TOML's bare ``inf`` is accepted and normalised),
+read into a ``relax.schema.Staleness`` and dumped in its wire form (``k`` or ``"inf"``)."""
 
 Shutdown = Annotated[
     float | Literal["brutal_kill"],
@@ -218,7 +201,7 @@ Shutdown = Annotated[
 ImportPath = Annotated[
     str,
     PlainValidator(_import_path),
-    WithJsonSchema({"type": "string", "pattern": _IMPORT_PATH.pattern}),
+    WithJsonSchema({"type": "string", "pattern": IMPORT_PATH.pattern}),
 ]
 """``"package.module:attribute"``, resolved only when the cluster starts."""
 
@@ -274,7 +257,7 @@ __all__ = [
     "SafeName",
     "Seconds",
     "Shutdown",
-    "Staleness",
+    "StalenessSetting",
     "format_path",
     "import_path_problem",
     "raise_one",

@@ -23,6 +23,11 @@ correct for it). ``temperature = 0`` means greedy decoding; the logprobs are the
 ``log_softmax`` of the biased and penalised logits (temperature 1), since the greedy
 "distribution" is degenerate.
 
+One call, one shape: ``generate(prompts, params)`` takes a validated ``SamplingParams`` (the
+same object the ``Sampler`` batches by, the agent endpoint builds from a request body and
+``SamplingParams.from_rollout`` builds from ``[rollout]``), and per prompt only what differs
+between prompts: ``seeds`` and ``mm_inputs`` (``MediaInputs``).
+
 Streaming: an engine whose ``streams`` is true takes ``on_token`` in ``generate`` and calls it
 on the caller's event loop (never from a worker thread) once per decode step with that step's
 ``TokenEvent``s, in order, all of them before ``generate`` returns. For an engine that does not stream,
@@ -37,21 +42,34 @@ import asyncio
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from relax.errors import EngineError
+
+if TYPE_CHECKING:
+    from relax.config import RolloutConfig
 
 FinishReason = Literal["stop", "length"]
 
 StateDict = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 """Weights for ``load_weights``: a state dict, or ``(name, tensor)`` pairs (e.g. streamed buckets)."""
 
+MediaInputs = Mapping[str, torch.Tensor]
+"""One prompt's processed media: the processor's outputs other than ``input_ids`` /
+``attention_mask`` (``pixel_values``, ``image_grid_thw``, ``input_features``, ...)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample; validated once so every engine sees the same meaning."""
+    """How to sample; validated once so every engine sees the same meaning.
+
+    Frozen and hashable (the ``Sampler`` batches requests by it): ``stop_token_ids`` may be
+    given as any sequence and ``logit_bias`` as a ``{id: bias}`` mapping; both are stored as
+    tuples (the bias as ``(id, bias)`` pairs sorted by id). An invalid value raises
+    ``EngineError`` naming every problem.
+    """
 
     max_new_tokens: int
     """Most tokens generated per response (the stop token, when hit, counts as one)."""
@@ -79,6 +97,9 @@ class SamplingParams:
     in ``Generation.top_logprobs``; 0 records none."""
 
     def __post_init__(self) -> None:
+        # Normalised here so that equal settings are equal (hashable) objects however given.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
         problems = []
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -101,6 +122,29 @@ class SamplingParams:
             problems.append(f"n must be at least 1, got {self.n}")
         if problems:
             raise EngineError("; ".join(problems))
+
+    @classmethod
+    def from_rollout(
+        cls,
+        rollout: RolloutConfig,
+        *,
+        n: int = 1,
+        stop_token_ids: Sequence[int] = (),
+        seed: int | None = None,
+    ) -> SamplingParams:
+        """What ``[rollout]`` means by sampling: its ``max_new_tokens``, ``temperature``,
+        ``top_p`` and ``top_k``, with the stop ids of the model's tokenizer and ``n`` samples
+        per prompt (``data.n_samples_per_prompt``). ``seed`` stays ``None`` unless given:
+        ``rollout.seed`` seeds each prompt by its id instead (``generate``'s ``seeds``)."""
+        return cls(
+            max_new_tokens=rollout.max_new_tokens,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            stop_token_ids=tuple(stop_token_ids),
+            n=n,
+            seed=seed,
+        )
 
     @property
     def greedy(self) -> bool:
@@ -167,22 +211,46 @@ class Generation:
     from, most likely first (``SamplingParams.top_logprobs`` of them); ``None`` when not asked."""
 
 
-def sampling_request(
+def validate_request(
     prompts: Sequence[Sequence[int]],
-    seed: int | Sequence[int] | None,
-    **sampling: Any,
-) -> tuple[SamplingParams, list[int] | None]:
-    """Validate one ``generate`` call: its ``SamplingParams`` and, when ``seed`` is a sequence,
-    the per-prompt seeds (then ``SamplingParams.seed`` is None)."""
-    seeds = None
-    if seed is not None and not isinstance(seed, int):
-        seeds = [int(x) for x in seed]
-        if len(seeds) != len(prompts):
-            raise EngineError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        seed = None
-    stops = tuple(int(t) for t in sampling.pop("stop_token_ids", ()))
-    bias = bias_pairs(sampling.pop("logit_bias", None))
-    return SamplingParams(stop_token_ids=stops, seed=seed, logit_bias=bias, **sampling), seeds
+    params: SamplingParams,
+    seeds: Sequence[int] | None,
+    *,
+    vocab_size: int,
+    max_len: int | None,
+) -> tuple[list[list[int]], list[int] | None]:
+    """What every engine checks of one ``generate`` call before it samples: returns the
+    prompts as lists of ids and the per-prompt seeds, or raises ``EngineError`` saying what is
+    wrong (a bad seed count, a ``logit_bias`` id or prompt id outside the vocabulary, an empty
+    prompt, a prompt plus ``max_new_tokens`` longer than ``max_len``)."""
+    per_prompt = None
+    if seeds is not None:
+        if params.seed is not None:
+            raise EngineError(
+                "give either one seed for the call (SamplingParams.seed) or per-prompt seeds"
+                " (seeds), not both"
+            )
+        per_prompt = [int(x) for x in seeds]
+        if len(per_prompt) != len(prompts):
+            raise EngineError(f"{len(per_prompt)} seeds for {len(prompts)} prompts")
+    check_bias(params, vocab_size)
+    checked = [
+        check_prompt(i, p, params.max_new_tokens, vocab_size, max_len)
+        for i, p in enumerate(prompts)
+    ]
+    return checked, per_prompt
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """One ``generate`` call, validated (``validate_request``), as an engine samples it."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    seeds: list[int] | None
+    """Per-prompt seeds (``params.seed`` is then ``None``); ``None`` when not given."""
+    mm_inputs: Sequence[MediaInputs | None] | None
+    on_token: OnToken | None
 
 
 def check_bias(params: SamplingParams, vocab_size: int) -> None:
@@ -228,6 +296,9 @@ class GenerationEngine(abc.ABC):
     entirely on one version (``load_weights`` waits for it); an engine built *interruptible*
     instead lets an update land between two tokens of a generation in flight, and records the
     version of every token (``Generation.token_versions``), as partial-rollout systems do.
+
+    An engine implements ``_generate``: ``generate`` checks every call the same way first
+    (``validate_request``, and the engine's ``_refuse`` of what it cannot serve at all).
     """
 
     streams: bool = False
@@ -238,35 +309,30 @@ class GenerationEngine(abc.ABC):
     def version(self) -> int:
         """The weights version now served."""
 
-    @abc.abstractmethod
+    vocab_size: int
+    """Ids ``0 … vocab_size - 1`` are the model's (every prompt and ``logit_bias`` is checked
+    against it); set by the engine."""
+
     async def generate(
         self,
         prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
         *,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop_token_ids: Sequence[int] = (),
-        n: int = 1,
-        seed: int | Sequence[int] | None = None,
-        mm_inputs: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
-        logit_bias: Mapping[int, float] | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        top_logprobs: int = 0,
+        seeds: Sequence[int] | None = None,
+        mm_inputs: Sequence[MediaInputs | None] | None = None,
         on_token: OnToken | None = None,
     ) -> list[Generation]:
-        """Sample ``n`` responses per prompt.
+        """Sample ``params.n`` responses per prompt, as ``params`` says.
 
-        ``logit_bias``, ``presence_penalty``, ``frequency_penalty`` shape the distribution
-        sampled from (see the module docstring); ``top_logprobs`` records its ``N`` most likely
-        tokens per step; ``on_token`` (engines that ``stream``) reports each token as it is
-        sampled. An engine that cannot honour one of them raises ``EngineError``, never ignores it.
+        ``params.logit_bias``, ``presence_penalty`` and ``frequency_penalty`` shape the
+        distribution sampled from (see the module docstring); ``params.top_logprobs`` records
+        its ``N`` most likely tokens per step; ``on_token`` (engines that ``stream``) reports
+        each token as it is sampled. An engine that cannot honour one of them raises
+        ``EngineError``, never ignores it.
 
-        ``seed``: one int seeds the whole call; a sequence gives each prompt its own seed, so a
-        prompt's samples do not depend on which other prompts share the batch (a retried prompt
-        reproduces its samples).
+        Seeding: ``params.seed`` seeds the whole call; ``seeds`` instead gives each prompt its
+        own seed (``params.seed`` is then ``None``), so a prompt's samples do not depend on
+        which other prompts share the batch (a retried prompt reproduces its samples).
 
         ``mm_inputs``: for a multimodal model, each prompt's processed media (the processor's
         outputs other than ``input_ids`` / ``attention_mask``, e.g. ``pixel_values`` and
@@ -277,6 +343,24 @@ class GenerationEngine(abc.ABC):
         Returns ``len(prompts) * n`` generations, grouped by prompt: prompt ``i``'s samples are
         at ``i * n … i * n + n - 1`` (with ``index`` 0 … n - 1).
         """
+        self._refuse(mm_inputs, on_token)
+        checked, per_prompt = validate_request(
+            prompts, params, seeds, vocab_size=self.vocab_size, max_len=self.max_model_len
+        )
+        return await self._generate(GenerateCall(checked, params, per_prompt, mm_inputs, on_token))
+
+    def _refuse(
+        self, mm_inputs: Sequence[MediaInputs | None] | None, on_token: OnToken | None
+    ) -> None:
+        """Raise ``EngineError`` for what this engine cannot serve at all (before anything
+        else of the call is checked)."""
+
+    async def _generate(self, call: GenerateCall) -> list[Generation]:
+        """Sample a validated call: what an engine implements (a test double may override
+        ``generate`` whole instead)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} implements neither generate nor _generate"
+        )
 
     @abc.abstractmethod
     async def load_weights(self, version: int, state_dict: StateDict) -> None:

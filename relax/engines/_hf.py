@@ -52,30 +52,26 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from relax.engines._base import (
     EngineError,
+    GenerateCall,
     Generation,
     GenerationEngine,
+    MediaInputs,
     OnToken,
     SamplingParams,
     StateDict,
     TokenEvent,
-    check_bias,
-    check_prompt,
-    sampling_request,
     with_rates,
 )
-from relax.engines._models import load_policy, pad_token_id
-from relax.engines._multimodal import (
+from relax.models import (
     MediaSpec,
     collate_mm_inputs,
+    load_policy,
+    pad_token_id,
     reset_rope_deltas,
     rope_deltas,
     suppressed_token_ids,
     uses_mrope,
 )
-
-MediaInputs = Mapping[str, torch.Tensor]
-"""One prompt's processed media: the processor's outputs other than ``input_ids`` /
-``attention_mask`` (``pixel_values``, ``image_grid_thw``, ``input_features``, ...)."""
 
 _Job = tuple[list[int], int, int | None, dict[str, torch.Tensor] | None]
 """One sequence to decode: (prompt ids, sample index, row seed, the prompt's media)."""
@@ -115,7 +111,7 @@ class HFEngine(GenerationEngine):
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self._device = next(model.parameters()).device
-        self._vocab_size = model.get_input_embeddings().num_embeddings
+        self.vocab_size = model.get_input_embeddings().num_embeddings
         text_config = model.config.get_text_config()
         self._max_positions: int | None = getattr(text_config, "max_position_embeddings", None)
         self.suppressed_token_ids = suppressed
@@ -180,46 +176,14 @@ class HFEngine(GenerationEngine):
     def statistics(self) -> dict[str, float | int]:
         return with_rates(self._stats, self._version)
 
-    async def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop_token_ids: Sequence[int] = (),
-        n: int = 1,
-        seed: int | Sequence[int] | None = None,
-        mm_inputs: Sequence[MediaInputs | None] | None = None,
-        logit_bias: Mapping[int, float] | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        top_logprobs: int = 0,
-        on_token: OnToken | None = None,
-    ) -> list[Generation]:
-        """See ``GenerationEngine.generate``. ``mm_inputs[i]``: prompt ``i``'s processed media
-        (``None`` for none), matching the placeholder tokens in ``prompts[i]``; ``EngineError``
-        when it does not, or when the model takes no media."""
-        params, seeds = sampling_request(
-            prompts,
-            seed,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            stop_token_ids=stop_token_ids,
-            n=n,
-            logit_bias=logit_bias,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            top_logprobs=top_logprobs,
-        )
-        check_bias(params, self._vocab_size)
-        checked = [self._check_prompt(i, p, max_new_tokens) for i, p in enumerate(prompts)]
-        media = self._check_media(checked, mm_inputs)
-        if not checked:
+    async def _generate(self, call: GenerateCall) -> list[Generation]:
+        """``mm_inputs[i]``: prompt ``i``'s processed media (``None`` for none), matching the
+        placeholder tokens in ``prompts[i]``; ``EngineError`` when it does not, or when the
+        model takes no media."""
+        media = self._check_media(call.prompts, call.mm_inputs)
+        if not call.prompts:
             return []
+        on_token = call.on_token
         emit = None
         if on_token is not None:
             loop = asyncio.get_running_loop()
@@ -231,7 +195,9 @@ class HFEngine(GenerationEngine):
                     loop.call_soon_threadsafe(on_token, events)
 
         async with self._async_lock():
-            return await asyncio.to_thread(self._generate_sync, checked, params, seeds, media, emit)
+            return await asyncio.to_thread(
+                self._generate_sync, call.prompts, call.params, call.seeds, media, emit
+            )
 
     async def load_weights(self, version: int, state_dict: StateDict) -> None:
         items = list(state_dict.items()) if isinstance(state_dict, Mapping) else list(state_dict)
@@ -248,9 +214,6 @@ class HFEngine(GenerationEngine):
     @property
     def max_model_len(self) -> int | None:
         return self._max_positions
-
-    def _check_prompt(self, i: int, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
-        return check_prompt(i, prompt, max_new_tokens, self._vocab_size, self._max_positions)
 
     def _check_media(
         self, prompts: list[list[int]], mm_inputs: Sequence[MediaInputs | None] | None

@@ -60,17 +60,17 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBa
 from relax.config import VllmConfig
 from relax.engines._base import (
     EngineError,
+    GenerateCall,
     Generation,
     GenerationEngine,
+    MediaInputs,
+    OnToken,
     SamplingParams,
     StateDict,
-    check_bias,
-    check_prompt,
-    sampling_request,
     with_rates,
 )
-from relax.engines._models import load_tokenizer
 from relax.errors import ConfigError, ConfigIssue
+from relax.models import load_tokenizer
 
 _ENV_DEFAULTS = {
     # vLLM's internal sockets otherwise bind a non-loopback address.
@@ -222,7 +222,7 @@ class VLLMEngine(GenerationEngine):
         self.llm: Any | None = llm
         self.tokenizer = tokenizer
         self._vllm = vllm_module
-        self._vocab_size = int(config.vocab_size)
+        self.vocab_size = int(config.vocab_size)
         self._max_len = int(llm.llm_engine.model_config.max_model_len)
         self._shapes, self._groups = _expected_weights(config)
         self._version = version
@@ -303,24 +303,9 @@ class VLLMEngine(GenerationEngine):
     def statistics(self) -> dict[str, float | int]:
         return with_rates(self._stats, self._version)
 
-    async def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop_token_ids: Sequence[int] = (),
-        n: int = 1,
-        seed: int | Sequence[int] | None = None,
-        mm_inputs: Sequence[Mapping[str, Any] | None] | None = None,
-        logit_bias: Mapping[int, float] | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        top_logprobs: int = 0,
-        on_token: Any = None,
-    ) -> list[Generation]:
+    def _refuse(
+        self, mm_inputs: Sequence[MediaInputs | None] | None, on_token: OnToken | None
+    ) -> None:
         if mm_inputs is not None and any(m for m in mm_inputs):
             raise EngineError(
                 "the vLLM engine does not serve media yet; use engine = 'hf' for multimodal prompts"
@@ -330,27 +315,14 @@ class VLLMEngine(GenerationEngine):
                 "the vLLM engine does not stream tokens (LLM.generate returns whole responses);"
                 " call it without on_token, or use engine = 'hf'"
             )
-        params, seeds = sampling_request(
-            prompts,
-            seed,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            stop_token_ids=stop_token_ids,
-            n=n,
-            logit_bias=logit_bias,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            top_logprobs=top_logprobs,
-        )
-        check_bias(params, self._vocab_size)
-        checked = [self._check_prompt(i, p, max_new_tokens) for i, p in enumerate(prompts)]
-        if not checked:
+
+    async def _generate(self, call: GenerateCall) -> list[Generation]:
+        if not call.prompts:
             return []
+        params, seeds = call.params, call.seeds
         jobs = []
-        for i, prompt in enumerate(checked):
-            for k in range(n):
+        for i, prompt in enumerate(call.prompts):
+            for k in range(params.n):
                 if seeds is not None:
                     job_seed: int | None = _mix_seed(seeds[i], k)
                 elif params.seed is not None:
@@ -380,9 +352,6 @@ class VLLMEngine(GenerationEngine):
     @property
     def max_model_len(self) -> int | None:
         return self._max_len
-
-    def _check_prompt(self, i: int, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
-        return check_prompt(i, prompt, max_new_tokens, self._vocab_size, self._max_len)
 
     def _request_params(self, params: SamplingParams, seed: int | None) -> Any:
         return self._vllm.SamplingParams(

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import re
 import typing
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -46,12 +45,20 @@ from prometheus_client.core import (
 
 from relax.actors._supervisor import ChildState
 from relax.log import get_logger
+from relax.schema import (
+    BusStatistics,
+    ChildSnapshot,
+    Staleness,
+    StatusSnapshot,
+    TrainerInfo,
+    TreeSnapshot,
+)
 
 # The classic text format every Prometheus version reads (our names need no escaping).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-StatusSource = Callable[[], Awaitable[dict[str, Any]]]
-"""Where a scrape gets its numbers: a coroutine returning a control-plane status dict."""
+StatusSource = Callable[[], Awaitable[StatusSnapshot]]
+"""Where a scrape gets its numbers: a coroutine returning a control-plane status."""
 
 ACTOR_STATES: tuple[str, ...] = typing.get_args(ChildState)
 
@@ -122,7 +129,7 @@ class _Families:
         self._add(CounterMetricFamily, name, doc, value, labels)
 
 
-def status_metrics(status: dict[str, Any]) -> list[Metric]:
+def status_metrics(status: StatusSnapshot) -> list[Metric]:
     """The metric families of one control-plane status (see the module docstring)."""
     out = _Families()
     info = InfoMetricFamily("relax_cluster", "The cluster this endpoint belongs to.")
@@ -140,7 +147,7 @@ def status_metrics(status: dict[str, Any]) -> list[Metric]:
     return [info, *out.by_name.values()]
 
 
-def _trainer(out: _Families, trainer: dict[str, Any]) -> None:
+def _trainer(out: _Families, trainer: TrainerInfo) -> None:
     out.gauge(
         "relax_trainer_version",
         "The trainer's policy version: the newest weights it published.",
@@ -155,31 +162,23 @@ def _trainer(out: _Families, trainer: dict[str, Any]) -> None:
             out.gauge(name, f"The trainer's {key!r} in its newest metrics record.", value)
 
 
-def _supervisor(out: _Families, node: dict[str, Any], prefix: str) -> None:
+def _supervisor(out: _Families, node: TreeSnapshot | ChildSnapshot, prefix: str) -> None:
     sup = prefix.rstrip("/") or str(node.get("id", ""))
-    out.gauge(
-        "relax_supervisor_restarts_in_period",
-        "Restarts within the supervisor's period (it gives up above its intensity).",
-        node.get("restarts_in_period", 0),
-        supervisor=sup,
-    )
-    out.gauge(
-        "relax_supervisor_intensity",
-        "Restarts the supervisor allows within its period.",
-        node.get("intensity"),
-        supervisor=sup,
-    )
-    out.gauge(
-        "relax_supervisor_gave_up",
-        "1 once the supervisor gave up.",
-        bool(node.get("gave_up")),
-        supervisor=sup,
-    )
+    for name, doc, value in (
+        (
+            "restarts_in_period",
+            "Restarts within the supervisor's period (it gives up above its intensity).",
+            node.get("restarts_in_period", 0),
+        ),
+        ("intensity", "Restarts the supervisor allows within its period.", node.get("intensity")),
+        ("gave_up", "1 once the supervisor gave up.", bool(node.get("gave_up"))),
+    ):
+        out.gauge(f"relax_supervisor_{name}", doc, value, supervisor=sup)
     for child in node.get("children") or []:
         _actor(out, child, prefix)
 
 
-def _actor(out: _Families, child: dict[str, Any], prefix: str) -> None:
+def _actor(out: _Families, child: ChildSnapshot, prefix: str) -> None:
     actor = f"{prefix}{child.get('id')}"
     state = str(child.get("state"))
     out.counter(
@@ -204,18 +203,11 @@ def _actor(out: _Families, child: dict[str, Any], prefix: str) -> None:
             actor=actor,
             state=known,
         )
-    out.gauge(
-        "relax_actor_uptime_seconds",
-        "Seconds since this incarnation started.",
-        child.get("uptime_s"),
-        actor=actor,
-    )
-    out.gauge(
-        "relax_actor_processes",
-        "Processes of this child (gang members).",
-        len(child.get("pids") or []),
-        actor=actor,
-    )
+    for name, doc, value in (
+        ("uptime_seconds", "Seconds since this incarnation started.", child.get("uptime_s")),
+        ("processes", "Processes of this child (gang members).", len(child.get("pids") or [])),
+    ):
+        out.gauge(f"relax_actor_{name}", doc, value, actor=actor)
     stats = child.get("stats")
     members = stats.get("members") if isinstance(stats, dict) else None
     for rank, member in enumerate(members if isinstance(members, list) else [stats]):
@@ -232,14 +224,13 @@ def _actor(out: _Families, child: dict[str, Any], prefix: str) -> None:
         _supervisor(out, child, prefix=f"{actor}/")
 
 
-def _bus(out: _Families, bus: str, stats: Any) -> None:
+def _bus(out: _Families, bus: str, stats: BusStatistics) -> None:
     ok = isinstance(stats, dict) and "error" not in stats
     out.gauge("relax_bus_up", "1 while the bus answers for its statistics.", ok, bus=bus)
     if not ok:
         return
     for key, doc in _BUS_GAUGES.items():
-        value = stats.get(key)
-        value = math.inf if key == "staleness" and value == "inf" else value
+        value = _staleness_limit(stats.get(key)) if key == "staleness" else stats.get(key)
         out.gauge(f"relax_bus_{_BUS_RENAMED.get(key, key)}", doc, value, bus=bus)
     for task, fields in (stats.get("tasks") or {}).items():
         for field in _TASK_FIELDS:
@@ -284,17 +275,26 @@ def _bus(out: _Families, bus: str, stats: Any) -> None:
             )
 
 
+def _staleness_limit(value: Any) -> Any:
+    """A bus's staleness as a number (``"inf"``: +Inf); what is no staleness is left as it is
+    (and dropped, unless it is a number)."""
+    try:
+        return Staleness.parse(value).limit
+    except ValueError:
+        return value
+
+
 class StatusCollector:
     """A custom collector over one status: register it on a (private) ``CollectorRegistry``."""
 
-    def __init__(self, status: dict[str, Any]) -> None:
+    def __init__(self, status: StatusSnapshot) -> None:
         self.status = status
 
     def collect(self) -> Iterator[Metric]:
         yield from status_metrics(self.status)
 
 
-def render(status: dict[str, Any]) -> bytes:
+def render(status: StatusSnapshot) -> bytes:
     """The Prometheus text exposition of one status, through a private registry made for this
     scrape (never the process-global one)."""
     registry = CollectorRegistry(auto_describe=False)

@@ -27,6 +27,7 @@ from typing import Any
 
 from relax.errors import MissingPackage
 from relax.log import get_logger
+from relax.schema import MetricRecord
 
 METRICS_FILE = "metrics.jsonl"
 """The trainer's metrics in a run folder."""
@@ -51,7 +52,7 @@ def numeric_metrics(record: Mapping[str, Any], *, skip: Iterable[str] = ()) -> d
     return out
 
 
-def _step_of(record: Mapping[str, Any], fallback: int) -> int:
+def _step_of(record: MetricRecord, fallback: int) -> int:
     step = record.get("step")
     if isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step):
         return int(step)
@@ -60,12 +61,13 @@ def _step_of(record: Mapping[str, Any], fallback: int) -> int:
 
 class MetricsSink(abc.ABC):
     """Somewhere a run's metric records go. ``write`` gets one record (a flat dict with a
-    ``step``) at a time, in order; ``close`` flushes and releases what the sink holds."""
+    ``step``: ``relax.schema.MetricRecord``) at a time, in order; ``close`` flushes and
+    releases what the sink holds."""
 
     name: str = "sink"
 
     @abc.abstractmethod
-    def write(self, record: Mapping[str, Any]) -> None: ...
+    def write(self, record: MetricRecord) -> None: ...
 
     def close(self) -> None:
         """Flush and release; the sink is not written to afterwards."""
@@ -79,7 +81,7 @@ class JsonlSink(MetricsSink):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
 
-    def write(self, record: Mapping[str, Any]) -> None:
+    def write(self, record: MetricRecord) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
             f.write(json.dumps(dict(record)) + "\n")
@@ -100,7 +102,7 @@ class TensorBoardSink(MetricsSink):
         self._writer = SummaryWriter(log_dir=str(self.log_dir))
         self._count = 0
 
-    def write(self, record: Mapping[str, Any]) -> None:
+    def write(self, record: MetricRecord) -> None:
         step = _step_of(record, self._count)
         self._count += 1
         for key, value in numeric_metrics(record, skip=("step",)).items():
@@ -177,7 +179,7 @@ class WandbSink(MetricsSink):
             self._pending.clear()
             self.run = run
 
-    def write(self, record: Mapping[str, Any]) -> None:
+    def write(self, record: MetricRecord) -> None:
         if self._error is not None:
             raise RuntimeError(f"wandb.init failed: {self._error}") from self._error
         step = _step_of(record, self._count)
@@ -266,7 +268,7 @@ class MetricsFanout:
         self.log = log if log is not None else get_logger()
         self.failures: dict[str, int] = {}
 
-    def write(self, record: Mapping[str, Any]) -> None:
+    def write(self, record: MetricRecord) -> None:
         for sink in self.sinks:
             try:
                 sink.write(record)

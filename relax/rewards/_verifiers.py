@@ -24,7 +24,6 @@ so a typo in ``options`` fails before anything starts.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 import math
@@ -35,6 +34,7 @@ from typing import Any, ClassVar, Literal
 
 from relax.config import RewardFunctionConfig
 from relax.errors import OptionError
+from relax.importpath import ImportPathError, load
 from relax.rewards._http import HttpError, post_json
 from relax.rewards._parse import extract_answer, normalize_answer, parse_last_number
 from relax.rewards._sample import Sample
@@ -424,19 +424,10 @@ def _check_signature(fn: Any, target: str, batched: bool, options: Mapping[str, 
 
 def load_function(target: str) -> Callable[..., Any]:
     """The callable at ``"package.module:attr.path"``; ``OptionError`` naming ``target`` if not."""
-    module_name, _, attr_path = target.partition(":")
     try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:  # any import-time failure of user code is a config problem
-        raise OptionError("target", f"cannot import {module_name!r}: {exc!r}") from exc
-    for attr in attr_path.split("."):
-        try:
-            obj = getattr(obj, attr)
-        except AttributeError as exc:
-            raise OptionError("target", f"{module_name!r} has no attribute {attr_path!r}") from exc
-    if not callable(obj):
-        raise OptionError("target", f"{target!r} is not callable")
-    return obj
+        return load(target)
+    except ImportPathError as exc:
+        raise OptionError("target", str(exc)) from exc
 
 
 @register_verifier("http")

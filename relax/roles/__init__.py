@@ -1,10 +1,29 @@
-"""The RL roles as actors; they meet only on the buses (see ``relax.cluster``)."""
+"""The RL roles as actors; they meet only on the buses (see ``relax.cluster``).
+
+Besides the roles, the steps of one RL iteration that the synchronous runner (``relax.sync``)
+drives without actors or buses: ``prompt_stream``/``prompt_row`` (a dataset's prompts, as bus
+rows), ``generate_groups`` (a group of completions per prompt), ``score_rows`` (their rewards;
+``PROMPT_FOR_REWARD`` maps a row's prompt columns to what a reward function reads).
+"""
 
 from relax.roles._critic import CriticRole
 from relax.roles._dataset import DatasetRole
+from relax.roles._prompts import prompt_row, prompt_stream
 from relax.roles._reference import ReferenceRole
-from relax.roles._reward import RewardRole
-from relax.roles._rollout import RolloutRole
+from relax.roles._reward import RewardRole, score_rows
+from relax.roles._rollout import PROMPT_FOR_REWARD, RolloutRole, generate_groups
 from relax.roles._trainer import TrainerRole
 
-__all__ = ["CriticRole", "DatasetRole", "ReferenceRole", "RewardRole", "RolloutRole", "TrainerRole"]
+__all__ = [
+    "PROMPT_FOR_REWARD",
+    "CriticRole",
+    "DatasetRole",
+    "ReferenceRole",
+    "RewardRole",
+    "RolloutRole",
+    "TrainerRole",
+    "generate_groups",
+    "prompt_row",
+    "prompt_stream",
+    "score_rows",
+]

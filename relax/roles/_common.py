@@ -1,21 +1,42 @@
-"""What every role shares: its slice of the config, and its bus connections."""
+"""What every role shares: its slice of the config, and its bus connections (and, for the trainer
+and the critic, the base class ``LearnerRole``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import os
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
+from relax.actors import Actor
 from relax.bus import Batch, BusClient, column_problem
 from relax.config import ClusterConfig
 from relax.errors import BusError, ColumnConflict
 from relax.media import mm_from_wire
+from relax.schema import LOSS_MASK, MM_INPUTS, REWARD
 
 
 def cluster_config(config: dict[str, Any]) -> ClusterConfig:
     """Roles receive the validated config as plain data (it crosses process boundaries)."""
     return ClusterConfig.model_validate(config)
+
+
+class LearnerRole(Actor):
+    """A role that learns from the samples bus (the trainer, the critic): the model it starts
+    from, its run folder, and ``metrics_file`` there (named by the subclass's
+    ``METRICS_FILE``), to which it appends one record per update and keeps in ``history``."""
+
+    METRICS_FILE: ClassVar[str]
+
+    def __init__(
+        self, *, config: dict[str, Any], samples_url: str, model_dir: str, run_dir: str
+    ) -> None:
+        self.cfg = cluster_config(config)
+        self.samples_url, self.model_dir = samples_url, model_dir
+        self.run_dir = Path(run_dir)
+        self.metrics_file = self.run_dir / self.METRICS_FILE
+        self.history: list[dict[str, Any]] = []
 
 
 def cluster_secret(cfg: ClusterConfig) -> str | None:
@@ -43,11 +64,11 @@ def training_row(row: dict[str, Any], columns: tuple[str, ...]) -> dict[str, Any
     cols = row["columns"]
     out: dict[str, Any] = {"group": row["group"], "uid": row["uid"]}
     for name in columns:
-        out[name] = float(cols[name]) if name == "reward" else as_list(cols[name])
-    if cols.get("loss_mask") is not None:
-        out["loss_mask"] = as_list(cols["loss_mask"])
-    if cols.get("mm_inputs") is not None:  # the prompt's media, as the rollout saw them
-        out["mm_inputs"] = mm_from_wire(cols["mm_inputs"])
+        out[name] = float(cols[name]) if name == REWARD else as_list(cols[name])
+    if cols.get(LOSS_MASK) is not None:
+        out[LOSS_MASK] = as_list(cols[LOSS_MASK])
+    if cols.get(MM_INPUTS) is not None:  # the prompt's media, as the rollout saw them
+        out[MM_INPUTS] = mm_from_wire(cols[MM_INPUTS])
     return out
 
 

@@ -26,17 +26,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from relax.actors import Actor
 from relax.config import ClusterConfig
-from relax.engines import load_tokenizer
+from relax.models import load_tokenizer
 from relax.roles._common import (
-    cluster_config,
+    LearnerRole,
     connect_bus,
     training_row,
     without_poisoned,
     write_once,
 )
-from relax.training._value import CriticTrainer, ValueModel
+from relax.schema import LOGPROBS, LOSS_MASK, PROMPT_IDS, REF_LOGPROBS, RESPONSE_IDS, REWARD, VALUES
+from relax.training import CriticTrainer, ValueModel
 
 VALUE_CLIP = 0.5
 """PPO value clip range (as verl's default ``cliprange_value``)."""
@@ -50,21 +50,21 @@ CHECKPOINT_EVERY = 10
 
 def critic_columns(cfg: ClusterConfig) -> tuple[str, ...]:
     """The columns a row needs before the critic may take it."""
-    columns = ["prompt_ids", "response_ids", "reward"]
+    columns = [PROMPT_IDS, RESPONSE_IDS, REWARD]
     if cfg.algorithm.kl.coef > 0 and cfg.algorithm.kl.mode == "reward":
-        columns += ["logprobs", "ref_logprobs"]  # the KL penalty is part of the reward
+        columns += [LOGPROBS, REF_LOGPROBS]  # the KL penalty is part of the reward
     return tuple(columns)
 
 
-class CriticRole(Actor):
+class CriticRole(LearnerRole):
+    METRICS_FILE = "critic.jsonl"
+
     def __init__(
         self, *, config: dict[str, Any], samples_url: str, model_dir: str, run_dir: str
     ) -> None:
-        self.cfg = cluster_config(config)
-        self.samples_url, self.model_dir = samples_url, model_dir
-        self.run_dir = Path(run_dir)
-        self.metrics_file = self.run_dir / "critic.jsonl"
-        self.history: list[dict[str, Any]] = []
+        super().__init__(
+            config=config, samples_url=samples_url, model_dir=model_dir, run_dir=run_dir
+        )
         self.already_written = 0
         self.critic: CriticTrainer | None = None
 
@@ -125,7 +125,7 @@ class CriticRole(Actor):
                     "critic",
                     batch_size=cfg.trainer.global_batch_size,
                     columns=list(columns),
-                    optional=["loss_mask"],
+                    optional=[LOSS_MASK],
                     whole_groups=True,  # whole groups make fuller, steadier critic batches
                     wait=1.0,
                 ) as batch:
@@ -138,7 +138,7 @@ class CriticRole(Actor):
                     self.already_written += await write_once(
                         bus,
                         [
-                            (row["uid"], {"values": vals})
+                            (row["uid"], {VALUES: vals})
                             for row, vals in zip(batch.rows, values, strict=True)
                         ],
                     )

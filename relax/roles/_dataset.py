@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from relax.actors import Actor
-from relax.engines import load_processor, load_tokenizer
 from relax.media import MediaError, media_limits
+from relax.models import load_processor, load_tokenizer
 from relax.roles._common import cluster_config, connect_bus
 from relax.roles._prompts import prompt_row, prompt_stream
 

@@ -17,26 +17,27 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from relax.actors._build import resolve
 from relax.agents import (
     Env,
     EpisodeLimits,
     Sampler,
-    Sampling,
     SessionStore,
     Trajectory,
     describe_failure,
     run_episode,
 )
 from relax.config import AgentConfig, ClusterConfig
+from relax.engines import SamplingParams
+from relax.importpath import load
 from relax.media import media_limits
 from relax.roles._common import as_list, prompt_seed
+from relax.schema import PROMPT_IDS, TEXT
 
 
 def episode_task(row: dict[str, Any]) -> dict[str, Any]:
     """What an environment or agent program gets: the prompt row's id, text and answer."""
     cols = row["columns"]
-    return {"id": row["uid"], "prompt": cols.get("text", ""), "answer": cols.get("answer", "")}
+    return {"id": row["uid"], "prompt": cols.get(TEXT, ""), "answer": cols.get("answer", "")}
 
 
 def episode_row(prompt: dict[str, Any], index: int, n: int, traj: Trajectory) -> dict[str, Any]:
@@ -67,7 +68,7 @@ def limits(cfg: ClusterConfig) -> EpisodeLimits:
 
 
 def make_env(agent: AgentConfig) -> Env:
-    env = resolve(agent.env or "")(**agent.options)
+    env = load(agent.env or "")(**agent.options)
     if not isinstance(env, Env):
         raise TypeError(f"{agent.env!r} made a {type(env).__name__}, not a relax.agents.Env")
     return env
@@ -90,12 +91,8 @@ async def env_rows(
     media = media_limits(cfg.data.media)
 
     async def one(prompt: dict[str, Any], j: int) -> Trajectory:
-        sampling = Sampling(
-            temperature=rollout.temperature,
-            top_p=rollout.top_p,
-            top_k=rollout.top_k,
-            stop_token_ids=tuple(stops),
-            seed=prompt_seed(rollout.seed, f"{prompt['uid']}/{j}"),
+        sampling = SamplingParams.from_rollout(
+            rollout, stop_token_ids=stops, seed=prompt_seed(rollout.seed, f"{prompt['uid']}/{j}")
         )
         env = make_env(rollout.agent)
         return await run_episode(
@@ -124,7 +121,7 @@ async def program_rows(
     """Run the agent program ``n`` times per prompt, each in its own endpoint session; the
     sessions' recorded calls become the rows, with the rewards the program returned."""
     agent = cfg.rollout.agent
-    program = resolve(agent.program or "")
+    program = load(agent.program or "")
     n = cfg.data.n_samples_per_prompt
     # A sync program blocks a thread per episode: all of them run at once (the default
     # executor has a handful of threads, which would serialise the episodes).
@@ -154,7 +151,7 @@ async def program_rows(
             end, reason = "agent_error", describe_failure(exc)
         traj = sessions.finish(sid, reward)
         if traj is None:  # the program never called the endpoint: nothing to train on
-            traj = Trajectory(as_list(prompt["columns"]["prompt_ids"]) or [0])
+            traj = Trajectory(as_list(prompt["columns"][PROMPT_IDS]) or [0])
             traj.reward = reward
         if end != "done":
             traj.reward = agent.error_reward

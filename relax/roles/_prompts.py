@@ -19,6 +19,7 @@ from relax.agents import render
 from relax.errors import ConfigError
 from relax.media import MediaError, has_media, process_prompt
 from relax.rewards import json_fields
+from relax.schema import MEDIA_TOKENS, MM_INPUTS, PROMPT_IDS, TEXT
 
 
 def arithmetic_task(seed: int = 0, *, max_operand: int = 9) -> Iterator[dict[str, Any]]:
@@ -127,9 +128,9 @@ def prompt_stream(data: dict[str, Any]) -> Iterator[dict[str, Any]]:
         )
         return
     if data.get("generator"):
-        from relax.actors._build import resolve
+        from relax.importpath import load
 
-        yield from resolve(data["generator"])(seed=data.get("seed", 0))
+        yield from load(data["generator"])(seed=data.get("seed", 0))
         return
     yield from arithmetic_task(data.get("seed", 0))
 
@@ -165,7 +166,7 @@ def prompt_row(
         columns["messages"] = plain_messages(prompt)
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt, add_special_tokens=False)
-        columns["text"] = prompt
+        columns[TEXT] = prompt
     elif has_media(prompt) or processor is not None:
         if processor is None:
             raise MediaError(
@@ -173,16 +174,16 @@ def prompt_row(
             )
         processed = process_prompt(processor, prompt, limits, item=str(item["id"]))
         ids = processed.prompt_ids
-        columns["text"] = processed.text
+        columns[TEXT] = processed.text
         if processed.mm_inputs:
-            columns["mm_inputs"] = processed.mm_inputs
-            columns["media_tokens"] = processed.media_tokens
+            columns[MM_INPUTS] = processed.mm_inputs
+            columns[MEDIA_TOKENS] = processed.media_tokens
     else:
         ids = agent_prompt_ids(tokenizer, prompt)
-        columns["text"] = render(tokenizer, prompt)
+        columns[TEXT] = render(tokenizer, prompt)
     if len(ids) > max_prompt_tokens:
         return None
-    columns["prompt_ids"] = list(ids)
+    columns[PROMPT_IDS] = list(ids)
     return {"uid": item["id"], "group": item["id"], "version": 0, "columns": columns}
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from relax.actors import Actor
-from relax.engines import load_policy
+from relax.models import load_policy
 from relax.roles._common import (
     cluster_config,
     connect_bus,
@@ -30,6 +30,7 @@ from relax.roles._common import (
     without_poisoned,
     write_once,
 )
+from relax.schema import LOGPROBS, MM_INPUTS, PROMPT_IDS, REF_LOGPROBS, RESPONSE_IDS, REWARD
 from relax.training import Row, pack_batch, response_values, sequence_logprobs
 
 TAKE_ROWS = 64
@@ -50,7 +51,7 @@ def reference_logprobs(
     logits divided by ``temperature``); one list per row, as long as its ``response_ids``.
     """
     order = sorted(
-        range(len(rows)), key=lambda i: len(rows[i]["prompt_ids"]) + len(rows[i]["response_ids"])
+        range(len(rows)), key=lambda i: len(rows[i][PROMPT_IDS]) + len(rows[i][RESPONSE_IDS])
     )
     out: list[list[float]] = [[] for _ in rows]
     device = next(model.parameters()).device
@@ -59,12 +60,12 @@ def reference_logprobs(
         packed = pack_batch(
             [
                 {
-                    "prompt_ids": list(rows[i]["prompt_ids"]),
-                    "response_ids": list(rows[i]["response_ids"]),
-                    "logprobs": [0.0] * len(rows[i]["response_ids"]),
-                    "reward": 0.0,
+                    PROMPT_IDS: list(rows[i][PROMPT_IDS]),
+                    RESPONSE_IDS: list(rows[i][RESPONSE_IDS]),
+                    LOGPROBS: [0.0] * len(rows[i][RESPONSE_IDS]),
+                    REWARD: 0.0,
                     "group": i,
-                    "mm_inputs": rows[i].get("mm_inputs"),
+                    MM_INPUTS: rows[i].get(MM_INPUTS),
                 }
                 for i in chunk
             ],
@@ -128,21 +129,21 @@ class ReferenceRole(Actor):
                 async with bus.take(
                     "reference",
                     batch_size=TAKE_ROWS,
-                    columns=["prompt_ids", "response_ids"],
-                    optional=["mm_inputs"],
+                    columns=[PROMPT_IDS, RESPONSE_IDS],
+                    optional=[MM_INPUTS],
                     wait=1.0,
                 ) as batch:
                     await without_poisoned(bus, batch, self.log)  # e.g. a string response_ids
                     if not batch.rows:
                         continue
                     started = time.monotonic()
-                    rows = [training_row(r, ("prompt_ids", "response_ids")) for r in batch.rows]
+                    rows = [training_row(r, (PROMPT_IDS, RESPONSE_IDS)) for r in batch.rows]
                     # Off the event loop: heartbeats must keep flowing during the forward.
                     scored = await asyncio.to_thread(self._score, rows)
                     self.already_written += await write_once(
                         bus,
                         [
-                            (row["uid"], {"ref_logprobs": logprobs})
+                            (row["uid"], {REF_LOGPROBS: logprobs})
                             for row, logprobs in zip(batch.rows, scored, strict=True)
                         ],
                     )

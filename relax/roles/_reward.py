@@ -20,10 +20,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from relax.actors import Actor
-from relax.engines import load_tokenizer
 from relax.errors import RewardFailing
+from relax.models import load_tokenizer
 from relax.rewards import RewardResult, RewardSet, Sample
 from relax.roles._common import as_list, cluster_config, connect_bus, without_poisoned
+from relax.schema import PROMPT_IDS, RESPONSE_IDS, REWARD
 
 REWARD_INPUTS = ("prompt_ids", "prompt_text", "messages", "fields")
 """Optional sample-row columns a reward sample is built from (see ``_rollout.PROMPT_FOR_REWARD``),
@@ -33,7 +34,7 @@ besides the required ``response_ids`` and ``answer``."""
 def reward_sample(row: Mapping[str, Any], tokenizer: Any, answer_key: str = "answer") -> Sample:
     """The ``Sample`` a reward function sees for one sample-bus row."""
     cols = row["columns"]
-    ids = as_list(cols["response_ids"])
+    ids = as_list(cols[RESPONSE_IDS])
     fields = cols.get("fields")
     fields = dict(fields) if isinstance(fields, Mapping) else {}
     # The reference with its JSON type when the row has it (a dict answer is a dict); the
@@ -41,7 +42,7 @@ def reward_sample(row: Mapping[str, Any], tokenizer: Any, answer_key: str = "ans
     answer = fields.get(answer_key)
     if answer is None:
         answer = cols.get("answer")
-    prompt_ids = cols.get("prompt_ids")
+    prompt_ids = cols.get(PROMPT_IDS)
     return Sample(
         response=tokenizer.decode(ids, skip_special_tokens=True),
         answer=answer,
@@ -69,7 +70,7 @@ async def score_rows(
 def reward_columns(result: RewardResult) -> dict[str, Any]:
     """The columns a scored sample gets: ``reward`` and its named ``reward_components``."""
     assert result.ok and result.reward is not None
-    return {"reward": float(result.reward), "reward_components": dict(result.components)}
+    return {REWARD: float(result.reward), "reward_components": dict(result.components)}
 
 
 def component_metrics(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
@@ -222,7 +223,7 @@ class RewardRole(Actor):
                 async with bus.take(
                     "reward",
                     batch_size=self.cfg.reward.batch_size,
-                    columns=["response_ids", "answer"],
+                    columns=[RESPONSE_IDS, "answer"],
                     optional=list(REWARD_INPUTS),
                     wait=1.0,
                 ) as batch:

@@ -48,12 +48,11 @@ from relax.engines import (
     EngineError,
     Generation,
     GenerationEngine,
-    load_processor,
-    load_tokenizer,
+    SamplingParams,
     open_engine,
-    stop_token_ids,
 )
 from relax.media import mm_from_wire
+from relax.models import load_processor, load_tokenizer, stop_token_ids
 from relax.roles._common import (
     as_list,
     cluster_config,
@@ -64,6 +63,7 @@ from relax.roles._common import (
 )
 from relax.roles._episodes import env_rows, program_rows
 from relax.runfiles import pause_requested
+from relax.schema import LOGPROBS, MM_INPUTS, PROMPT_IDS, RESPONSE_IDS, TOKEN_VERSIONS
 
 PROMPT_FOR_REWARD = {"text": "prompt_text", "messages": "messages", "fields": "fields"}
 """Prompt-row columns copied onto each sample row (as named here) for the reward role."""
@@ -75,7 +75,7 @@ async def generate_groups(
     """``data.n_samples_per_prompt`` samples of each prompt row, as ``[rollout]`` says, each
     prompt seeded by its id (see the module docstring)."""
     rollout = cfg.rollout
-    media = [r["columns"].get("mm_inputs") for r in prompts]
+    media = [r["columns"].get(MM_INPUTS) for r in prompts]
     # Media travel with their prompt as processed once by the dataset role: the engine sees
     # the very tensors the trainer will.
     extra = (
@@ -84,14 +84,9 @@ async def generate_groups(
         else {}
     )
     gens = await engine.generate(
-        [as_list(r["columns"]["prompt_ids"]) for r in prompts],
-        max_new_tokens=rollout.max_new_tokens,
-        temperature=rollout.temperature,
-        top_p=rollout.top_p,
-        top_k=rollout.top_k,
-        stop_token_ids=stops,
-        n=cfg.data.n_samples_per_prompt,
-        seed=None
+        [as_list(r["columns"][PROMPT_IDS]) for r in prompts],
+        SamplingParams.from_rollout(rollout, n=cfg.data.n_samples_per_prompt, stop_token_ids=stops),
+        seeds=None
         if rollout.seed is None
         else [prompt_seed(rollout.seed, r["uid"]) for r in prompts],
         **extra,
@@ -397,19 +392,19 @@ class RolloutRole(Actor):
             for j in range(n):
                 g = gens[i * n + j]
                 columns = {
-                    "prompt_ids": list(g.prompt_ids),
-                    "response_ids": list(g.response_ids),
-                    "logprobs": list(g.logprobs),
+                    PROMPT_IDS: list(g.prompt_ids),
+                    RESPONSE_IDS: list(g.response_ids),
+                    LOGPROBS: list(g.logprobs),
                     "answer": row["columns"]["answer"],
                 }
-                if "mm_inputs" in row["columns"]:  # the same processed media, for training
-                    columns["mm_inputs"] = row["columns"]["mm_inputs"]
+                if MM_INPUTS in row["columns"]:  # the same processed media, for training
+                    columns[MM_INPUTS] = row["columns"][MM_INPUTS]
                 # What the reward function sees of the prompt (relax.rewards.Sample).
                 for source, name in PROMPT_FOR_REWARD.items():
                     if source in row["columns"]:
                         columns[name] = row["columns"][source]
                 if g.token_versions is not None:
-                    columns["token_versions"] = list(g.token_versions)
+                    columns[TOKEN_VERSIONS] = list(g.token_versions)
                 rows.append(
                     {
                         "uid": f"{row['uid']}/{j}",

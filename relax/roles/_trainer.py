@@ -28,12 +28,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from relax.actors import Actor
 from relax.config import ClusterConfig
-from relax.engines import load_policy, pad_token_id
+from relax.models import load_policy, pad_token_id
 from relax.observe import MetricsFanout, build_sinks
-from relax.roles._common import cluster_config, connect_bus, training_row, without_poisoned
+from relax.roles._common import LearnerRole, connect_bus, training_row, without_poisoned
 from relax.roles._reward import component_metrics
+from relax.schema import (
+    EPISODE_END,
+    LOGPROBS,
+    LOSS_MASK,
+    MM_INPUTS,
+    PROMPT_IDS,
+    REF_LOGPROBS,
+    RESPONSE_IDS,
+    REWARD,
+    SUCCESS,
+    TURNS,
+    VALUES,
+)
 from relax.training import StepResult, make_backend
 from relax.transport import dumps, loads
 
@@ -43,7 +55,7 @@ def broadcast_message(payload: Any = None) -> Any:
     of the trainer gang's torch.distributed world. Wire-encoded bytes, never pickled."""
     import torch.distributed as dist
 
-    from relax.training._deepspeed import broadcast_bytes
+    from relax.transport import broadcast_bytes  # imports torch: only a gang calls this
 
     data = dumps(payload) if dist.get_rank() == 0 else None
     return loads(broadcast_bytes(data, src=0))
@@ -51,20 +63,20 @@ def broadcast_message(payload: Any = None) -> Any:
 
 def train_columns(cfg: ClusterConfig) -> tuple[str, ...]:
     """The columns a row needs before the trainer may take it."""
-    columns = ["prompt_ids", "response_ids", "logprobs", "reward"]
+    columns = [PROMPT_IDS, RESPONSE_IDS, LOGPROBS, REWARD]
     if cfg.algorithm.kl.coef > 0:
-        columns.append("ref_logprobs")  # written by the reference role
+        columns.append(REF_LOGPROBS)  # written by the reference role
     if cfg.algorithm.advantage == "gae":
-        columns.append("values")  # written by the critic role
+        columns.append(VALUES)  # written by the critic role
     return tuple(columns)
 
 
 OPTIONAL_COLUMNS = (
-    "loss_mask",
-    "turns",
-    "episode_end",
-    "success",
-    "mm_inputs",
+    LOSS_MASK,
+    TURNS,
+    EPISODE_END,
+    SUCCESS,
+    MM_INPUTS,
     "reward_components",
 )
 """Columns some rows have (multi-turn episodes, media prompts): taken when present."""
@@ -78,17 +90,17 @@ def train_row(row: dict[str, Any], columns: tuple[str, ...]) -> dict[str, Any]:
 def episode_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     """Means over a batch's episode rows: task success (when the environment reports it),
     turns, and the share of episodes a failure ended."""
-    cols = [r["columns"] for r in rows if "episode_end" in r["columns"]]
+    cols = [r["columns"] for r in rows if EPISODE_END in r["columns"]]
     if not cols:
         return {}
     out = {
-        "turns_mean": sum(float(c.get("turns", 0)) for c in cols) / len(cols),
+        "turns_mean": sum(float(c.get(TURNS, 0)) for c in cols) / len(cols),
         "episode_failed": sum(
-            c["episode_end"] in ("tool_error", "tool_timeout", "agent_error") for c in cols
+            c[EPISODE_END] in ("tool_error", "tool_timeout", "agent_error") for c in cols
         )
         / len(cols),
     }
-    success = [float(c["success"]) for c in cols if "success" in c]
+    success = [float(c[SUCCESS]) for c in cols if SUCCESS in c]
     if success:
         out["success_rate"] = sum(success) / len(success)
     return out
@@ -106,16 +118,16 @@ def _checkpoint_name(version: int) -> str:
     return f"step-{version:08d}"
 
 
-class TrainerRole(Actor):
+class TrainerRole(LearnerRole):
+    METRICS_FILE = "metrics.jsonl"
+
     def __init__(
         self, *, config: dict[str, Any], samples_url: str, model_dir: str, run_dir: str
     ) -> None:
-        self.cfg = cluster_config(config)
-        self.samples_url, self.model_dir = samples_url, model_dir
-        self.run_dir = Path(run_dir)
-        self.metrics_file = self.run_dir / "metrics.jsonl"
+        super().__init__(
+            config=config, samples_url=samples_url, model_dir=model_dir, run_dir=run_dir
+        )
         self.ledger_file = self.run_dir / LEDGER
-        self.history: list[dict[str, Any]] = []
         self._sinks: MetricsFanout | None = None  # [logging]'s sinks, built at the first record
         self._lock = threading.Lock()  # one backend operation at a time, across threads
         self._published = -1  # the newest version the bus holds (rank 0)
@@ -288,7 +300,7 @@ class TrainerRole(Actor):
             rows = [train_row(r, columns) for r in ordered]
             versions = [r["version"] for r in batch.rows]
             # Off the event loop: heartbeats must keep flowing during a long step.
-            trainable = [r for r in rows if r["response_ids"]]
+            trainable = [r for r in rows if r[RESPONSE_IDS]]
             # Agent episodes that never reached the model leave rows without a response;
             # a batch of only those is consumed as a skipped step, not a crash.
             result = (

@@ -18,7 +18,8 @@ from relax.training._base import StepResult, TrainingBackend
 from relax.training._batch import Batch, Row, pack_batch, response_values
 from relax.training._factory import make_backend
 from relax.training._logprobs import forward_logprobs, sequence_logprobs
-from relax.training._torch import SafeStepBackend, TorchBackend
+from relax.training._safe_step import SafeStepBackend
+from relax.training._torch import TorchBackend
 from relax.training._value import CriticTrainer, ValueModel, clipped_value_loss, value_forward
 
 __all__ = [

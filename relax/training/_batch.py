@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 
+import relax.schema as col
+
 Row = Mapping[str, Any]
 """One sample as the trainer receives it (a bus row's columns)."""
 
-_PER_TOKEN_OPTIONAL = ("ref_logprobs", "values")
+_PER_TOKEN_OPTIONAL = (col.REF_LOGPROBS, col.VALUES)
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class Batch:
     mm_inputs: tuple[dict[str, torch.Tensor] | None, ...] = ()
     """Per row, the processor's media inputs of its prompt (pixel values, grids, audio
     features …) exactly as the rollout generated with them; ``()`` when no row has media.
-    The forward pass collates them (``relax.engines.collate_mm_inputs``)."""
+    The forward pass collates them (``relax.models.collate_mm_inputs``)."""
 
     @property
     def size(self) -> int:
@@ -120,15 +122,15 @@ class Batch:
 
 def _check_row(index: int, row: Row) -> None:
     """Raise ``ValueError`` naming the row and column when a row is malformed."""
-    for key in ("prompt_ids", "response_ids", "logprobs", "reward", "group"):
+    for key in (col.PROMPT_IDS, col.RESPONSE_IDS, col.LOGPROBS, col.REWARD, "group"):
         if key not in row:
             raise ValueError(f"row {index} has no {key!r} column")
-    if len(row["prompt_ids"]) == 0:
+    if len(row[col.PROMPT_IDS]) == 0:
         # The first response token is predicted from the last prompt token; without one there
         # is nothing to condition on.
         raise ValueError(f"row {index} has an empty prompt_ids")
-    n = len(row["response_ids"])
-    for key in ("logprobs", "loss_mask", *_PER_TOKEN_OPTIONAL):
+    n = len(row[col.RESPONSE_IDS])
+    for key in (col.LOGPROBS, col.LOSS_MASK, *_PER_TOKEN_OPTIONAL):
         value = row.get(key)
         if value is not None and len(value) != n:
             raise ValueError(
@@ -160,7 +162,7 @@ def pack_batch(rows: Sequence[Row], pad_id: int) -> Batch:
             raise ValueError(f"{key!r} is on some rows but not on row {missing}")
 
     batch = len(rows)
-    lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
+    lengths = [len(r[col.PROMPT_IDS]) + len(r[col.RESPONSE_IDS]) for r in rows]
     # At least 2 columns so the per-token tensors are never zero-width.
     seq = max(max(lengths), 2)
     input_ids = torch.full((batch, seq), pad_id, dtype=torch.long)
@@ -177,18 +179,18 @@ def pack_batch(rows: Sequence[Row], pad_id: int) -> Batch:
     group_index: dict[str, int] = {}
     group_ids = []
     for b, row in enumerate(rows):
-        prompt, response = list(row["prompt_ids"]), list(row["response_ids"])
+        prompt, response = list(row[col.PROMPT_IDS]), list(row[col.RESPONSE_IDS])
         p, n = len(prompt), len(response)
         input_ids[b, : p + n] = torch.tensor(prompt + response, dtype=torch.long)
         attention_mask[b, : p + n] = 1
         # Response token j sits at input position p + j and is predicted at position p + j - 1.
         span = slice(p - 1, p - 1 + n)
         response_mask[b, span] = 1.0
-        loss_mask = row.get("loss_mask")
+        loss_mask = row.get(col.LOSS_MASK)
         mask[b, span] = (
             torch.ones(n) if loss_mask is None else torch.tensor(loss_mask, dtype=torch.float32)
         )
-        rollout[b, span] = torch.tensor(row["logprobs"], dtype=torch.float32)
+        rollout[b, span] = torch.tensor(row[col.LOGPROBS], dtype=torch.float32)
         for key, tensor in extra.items():
             tensor[b, span] = torch.tensor(row[key], dtype=torch.float32)
         name = str(row["group"])
@@ -202,14 +204,14 @@ def pack_batch(rows: Sequence[Row], pad_id: int) -> Batch:
         response_mask=response_mask,
         mask=mask,
         rollout_logprobs=rollout,
-        rewards=torch.tensor([float(r["reward"]) for r in rows], dtype=torch.float32),
+        rewards=torch.tensor([float(r[col.REWARD]) for r in rows], dtype=torch.float32),
         group_ids=torch.tensor(group_ids, dtype=torch.long),
         groups=tuple(group_index),
         lengths=torch.tensor(lengths, dtype=torch.long),
-        ref_logprobs=extra.get("ref_logprobs"),
-        values=extra.get("values"),
-        mm_inputs=tuple(r.get("mm_inputs") or None for r in rows)
-        if any(r.get("mm_inputs") for r in rows)
+        ref_logprobs=extra.get(col.REF_LOGPROBS),
+        values=extra.get(col.VALUES),
+        mm_inputs=tuple(r.get(col.MM_INPUTS) or None for r in rows)
+        if any(r.get(col.MM_INPUTS) for r in rows)
         else (),
     )
 

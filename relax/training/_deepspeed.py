@@ -1,4 +1,4 @@
-"""The DeepSpeed ZeRO training backend, and the byte collectives a trainer gang talks over.
+"""The DeepSpeed ZeRO training backend.
 
 :class:`DeepSpeedBackend` runs the same all-or-nothing step as :class:`TorchBackend` (the
 shared :class:`SafeStepBackend`) inside a ``deepspeed.initialize`` engine: ZeRO stage 0 to 3,
@@ -27,16 +27,17 @@ Checkpoints (collective on every rank): Hugging Face ``model.safetensors`` + ``c
 (``from_pretrained`` loads them), DeepSpeed's own checkpoint under ``deepspeed/`` (module,
 fp32 master partitions and optimiser state of every rank), per-rank RNG state and the JSON
 metadata; written to a temp dir that rank 0 renames into place.
+
+The engine's config comes from ``_deepspeed_config``, safe reading of DeepSpeed's checkpoint
+files from ``_deepspeed_checkpoint``; the world the ranks share and the bytes they exchange over
+it from :mod:`relax.transport`.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import math
-import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -44,230 +45,18 @@ import torch
 import torch.distributed as dist
 
 from relax.config import AlgorithmConfig, TrainerConfig
-from relax.runfiles import GANG_RENDEZVOUS_ENV
 from relax.training import _checkpoint as ckpt
-from relax.training._objective import check_supported
-from relax.training._torch import _MAX_METRICS, SafeStepBackend
+from relax.training._deepspeed_checkpoint import DS_TAG, aliases, load_weights_only
+from relax.training._deepspeed_config import (
+    TORCH_DTYPES,
+    deepspeed_config,
+    no_cpu_kernels,
+    precision,
+)
+from relax.training._safe_step import MAX_METRICS, SafeStepBackend
+from relax.transport import all_gather_bytes, broadcast_bytes, init_world
 
 log = logging.getLogger("relax.training")
-
-DS_TAG = "deepspeed"
-"""Sub-folder of a checkpoint that holds DeepSpeed's own files."""
-COLLECTIVE_TIMEOUT = datetime.timedelta(hours=24)
-"""How long a rank waits in a collective: ranks above 0 wait for rank 0's next command while
-rank 0 waits for rollouts, which may take long. A dead rank ends the whole gang anyway."""
-STORE_TIMEOUT = datetime.timedelta(minutes=5)
-"""How long a gang's ranks wait for each other to meet (starting means importing torch)."""
-_PRECISIONS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-# --------------------------------------------------------------------------- the world
-
-
-def init_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
-    """Join (or reuse) the default torch.distributed group; returns ``(rank, world_size)``.
-
-    An existing default group is reused as it is (a launcher or an earlier backend made it).
-    Otherwise a world of more than one rank meets through the ``env://`` rendezvous
-    (``MASTER_ADDR``/``MASTER_PORT``, as a gang's members have them), and a single rank makes
-    its own one-member group on an in-process store (no port): no launcher and no environment
-    variables needed. DeepSpeed insists on ``LOCAL_RANK``; it is set only when missing.
-    """
-    if dist.is_initialized():
-        have = dist.get_world_size()
-        if world_size is not None and world_size != have:
-            raise RuntimeError(
-                f"torch.distributed already has a world of {have} ranks, not {world_size}"
-            )
-        return dist.get_rank(), have
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if rank is None:
-        rank = int(os.environ.get("RANK", "0"))
-    os.environ.setdefault("LOCAL_RANK", str(rank))
-    backend = "gloo" if not torch.cuda.is_available() else "nccl"
-    rendezvous = os.environ.get(GANG_RENDEZVOUS_ENV)
-    if world_size > 1 and rendezvous:
-        # A Relax gang: rank 0's store listens on a port the kernel picked, announced in the
-        # gang's rendezvous folder (a port picked free and bound again later is a race).
-        dist.init_process_group(
-            backend,
-            store=_gang_store(Path(rendezvous), rank, world_size),
-            rank=rank,
-            world_size=world_size,
-            timeout=COLLECTIVE_TIMEOUT,
-        )
-    elif world_size > 1:  # a launcher's env:// rendezvous (torchrun, deepspeed)
-        dist.init_process_group(
-            backend,
-            init_method="env://",
-            rank=rank,
-            world_size=world_size,
-            timeout=COLLECTIVE_TIMEOUT,
-        )
-    else:
-        # A world of one meets nobody: an in-process store, no port to pick (picking a free
-        # port, closing it and binding it again races with every other process).
-        dist.init_process_group(
-            backend,
-            store=dist.HashStore(),
-            rank=0,
-            world_size=1,
-            timeout=COLLECTIVE_TIMEOUT,
-        )
-    return rank, world_size
-
-
-def _gang_store(folder: Path, rank: int, world_size: int) -> dist.TCPStore:
-    """The store a gang's world meets on: rank 0 listens on port 0 and writes the port it got
-    to ``folder/port`` (atomically); the other ranks wait for that file, then connect. Sets
-    ``MASTER_PORT`` to the real port, for code that reads it later."""
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port_file = folder / "port"
-    if rank == 0:
-        store = dist.TCPStore(
-            host, 0, world_size, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False
-        )
-        partial = folder / f"port.{os.getpid()}.partial"
-        partial.write_text(str(store.port))
-        partial.replace(port_file)
-    else:
-        deadline = time.monotonic() + STORE_TIMEOUT.total_seconds()
-        while not port_file.exists():  # rank 0 is starting (importing torch, binding)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"rank 0 never announced its store in {folder}")
-            time.sleep(0.05)
-        port = int(port_file.read_text())
-        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=STORE_TIMEOUT)
-    os.environ["MASTER_PORT"] = str(store.port)
-    return store
-
-
-def _device() -> torch.device:
-    from deepspeed.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().current_device_name())
-
-
-def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
-    """Rank ``src``'s ``data`` on every rank of the default group (a length, then the bytes)."""
-    device = _device() if dist.get_backend() == "nccl" else torch.device("cpu")
-    mine = dist.get_rank() == src
-    if mine and data is None:
-        raise ValueError("the source rank must pass the bytes to broadcast")
-    size = torch.tensor(
-        [len(data) if mine and data is not None else 0], dtype=torch.int64, device=device
-    )
-    dist.broadcast(size, src)
-    n = int(size.item())
-    if n == 0:
-        return b""
-    if mine and data is not None:
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    else:
-        buffer = torch.empty(n, dtype=torch.uint8, device=device)
-    dist.broadcast(buffer, src)
-    return data if mine and data is not None else buffer.cpu().numpy().tobytes()
-
-
-def all_gather_bytes(data: bytes) -> list[bytes]:
-    """Every rank's ``data``, in rank order, on every rank of the default group."""
-    device = _device() if dist.get_backend() == "nccl" else torch.device("cpu")
-    world = dist.get_world_size()
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size)
-    longest = max(int(s.item()) for s in sizes)
-    padded = torch.zeros(max(longest, 1), dtype=torch.uint8, device=device)
-    if data:
-        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded)
-    return [
-        g[: int(s.item())].cpu().numpy().tobytes() for g, s in zip(gathered, sizes, strict=True)
-    ]
-
-
-# --------------------------------------------------------------------------- configuration
-
-
-def precision(dtype: str) -> str:
-    """``"fp32"``, ``"bf16"`` or ``"fp16"``: the requested dtype, or fp32 where the
-    accelerator cannot train in it (fp16 on most CPUs)."""
-    from deepspeed.accelerator import get_accelerator
-
-    wanted = _PRECISIONS[dtype]
-    accelerator = get_accelerator()
-    supported = {
-        "fp32": True,
-        "bf16": bool(accelerator.is_bf16_supported()),
-        "fp16": bool(accelerator.is_fp16_supported()),
-    }[wanted]
-    if not supported:
-        log.warning(
-            "DeepSpeed on %s cannot train in %s; training in float32 instead",
-            accelerator.device_name(),
-            dtype,
-        )
-        return "fp32"
-    return wanted
-
-
-def deepspeed_config(cfg: TrainerConfig, world_size: int, mode: str) -> dict[str, Any]:
-    """The ``deepspeed.initialize`` config of a ``[trainer]`` table on ``world_size`` ranks."""
-    micro = cfg.micro_batch_size
-    accumulation = max(1, cfg.global_batch_size // (micro * world_size))
-    stage = cfg.effective_zero_stage
-    config: dict[str, Any] = {
-        # Bookkeeping only: the backend marks the accumulation boundary itself, so a batch
-        # shortened by dynamic sampling still makes one step.
-        "train_batch_size": micro * accumulation * world_size,
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accumulation,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": cfg.lr,
-                "betas": list(cfg.betas),
-                "eps": 1e-8,
-                "weight_decay": cfg.weight_decay,
-                "torch_adam": True,
-            },
-        },
-        "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {"stage": 2 if stage is None else stage},
-        "bf16": {"enabled": mode == "bf16"},
-        "fp16": {"enabled": mode == "fp16"},
-        "steps_per_print": 2**62,
-        "wall_clock_breakdown": False,
-    }
-    return config
-
-
-# --------------------------------------------------------------------------- the backend
-
-
-def _no_cpu_kernels() -> None:
-    """On CPU, tell DeepSpeed none of its C++ ops are available before it probes them.
-
-    We need none (torch's AdamW, gloo all-reduces), but DeepSpeed's CPU comm backend would
-    JIT-compile its shared-memory all-reduce kernel on first use — about a minute on 2 cores,
-    serialised across processes by a file lock — and probing every op runs compilers too.
-    DeepSpeed keeps this dict in ``deepspeed.ops`` precisely so callers can edit it.
-    """
-    import deepspeed.ops
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    probed = vars(deepspeed.ops).get("__compatible_ops__")
-    if probed is None:
-        from deepspeed.ops.op_builder.all_ops import ALL_OPS
-
-        deepspeed.ops.__compatible_ops__ = dict.fromkeys(ALL_OPS, False)
-    else:
-        probed.update(dict.fromkeys(probed, False))
 
 
 class DeepSpeedBackend(SafeStepBackend):
@@ -292,7 +81,7 @@ class DeepSpeedBackend(SafeStepBackend):
     ) -> None:
         """``rank``/``world_size`` default to the existing group, else ``RANK``/``WORLD_SIZE``
         from the environment, else a single rank; ``temperature`` as for ``TorchBackend``."""
-        check_supported(algorithm_config)
+        super().__init__(trainer_config, algorithm_config, pad_id=pad_id, temperature=temperature)
         try:
             import deepspeed
         except ImportError as exc:
@@ -301,15 +90,11 @@ class DeepSpeedBackend(SafeStepBackend):
             ) from exc
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        _no_cpu_kernels()
+        no_cpu_kernels()
         self.rank, self.world_size = init_world(rank, world_size)
-        self.trainer_config = trainer_config
-        self.algorithm_config = algorithm_config
-        self.pad_id = pad_id
-        self.temperature = temperature if temperature > 0 else 1.0
         self.mode = precision(trainer_config.dtype)
         self.stage = trainer_config.effective_zero_stage or 0
-        model = model.to(_TORCH_DTYPES[self.mode])
+        model = model.to(TORCH_DTYPES[self.mode])
         model.train()
         self.engine, *_ = deepspeed.initialize(
             model=model,
@@ -319,13 +104,7 @@ class DeepSpeedBackend(SafeStepBackend):
         self.model: torch.nn.Module = self.engine.module
         # DeepSpeed unpickles its checkpoints with weights_only=False; read them as tensors and
         # plain containers instead, plus the few DeepSpeed classes its files hold.
-        self.engine.checkpoint_engine.load = _load_weights_only
-        self._version = 0
-        self.skipped_steps = 0
-
-    @property
-    def version(self) -> int:
-        return self._version
+        self.engine.checkpoint_engine.load = load_weights_only
 
     @property
     def device(self) -> torch.device:
@@ -368,7 +147,7 @@ class DeepSpeedBackend(SafeStepBackend):
             if part["problem"] is not None:
                 problems.append(part["problem"])
             for key, value in part["sums"].items():
-                if key in _MAX_METRICS:
+                if key in MAX_METRICS:
                     merged[key] = max(merged.get(key, -math.inf), value)
                 else:
                     merged[key] = merged.get(key, 0.0) + value
@@ -462,7 +241,7 @@ class DeepSpeedBackend(SafeStepBackend):
         only rank 0's count under ZeRO-3). The optimiser's moments start afresh."""
         own = self.model.state_dict(keep_vars=True)
         unexpected = sorted(set(state_dict) - set(own))
-        missing = sorted(set(own) - set(state_dict) - _aliases(own))
+        missing = sorted(set(own) - set(state_dict) - aliases(own))
         if unexpected or missing:  # checked before anything is copied: no half-loaded model
             raise ValueError(
                 f"published weights do not fit the model: missing {missing}, unexpected {unexpected}"
@@ -591,29 +370,3 @@ def _loss_scale(optimizer: Any) -> float:
         config = getattr(optimizer, "loss_scale_config", None)
         scale = getattr(config, "cur_scale", 1.0)
     return float(scale or 1.0)
-
-
-def _safe_globals() -> list[Any]:
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
-
-
-def _load_weights_only(path: str, map_location: Any = None) -> Any:
-    """``torch.load`` of a DeepSpeed checkpoint file without unpickling arbitrary objects."""
-    with torch.serialization.safe_globals(_safe_globals()):
-        return torch.load(path, map_location=map_location, weights_only=True)
-
-
-def _aliases(state: dict[str, torch.Tensor]) -> set[str]:
-    """Names whose tensor already appeared under an earlier name (tied weights). By identity,
-    not storage: ZeRO-3 leaves every parameter an empty placeholder."""
-    seen: set[int] = set()
-    aliases = set()
-    for name, tensor in state.items():
-        if id(tensor) in seen:
-            aliases.add(name)
-        seen.add(id(tensor))
-    return aliases

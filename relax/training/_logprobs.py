@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from relax.algos import entropy_from_logits, logprobs_from_logits
-from relax.engines._multimodal import collate_mm_inputs, suppressed_token_ids
+from relax.models import collate_mm_inputs, suppressed_token_ids
 from relax.training._batch import Batch
 
 

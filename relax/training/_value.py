@@ -34,6 +34,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from relax.algos import gae_advantages, kl_divergence, masked_mean, sequence_to_token_rewards
 from relax.config import AlgorithmConfig
+from relax.schema import LOGPROBS, RESPONSE_IDS, REWARD, VALUES
 from relax.training import _checkpoint as ckpt
 from relax.training._batch import Batch, Row, pack_batch, response_values
 
@@ -170,10 +171,10 @@ def critic_rows(rows: Sequence[Row]) -> list[dict[str, Any]]:
     absent (values need only the token ids)."""
     out = []
     for index, row in enumerate(rows):
-        n = len(row["response_ids"])
+        n = len(row[RESPONSE_IDS])
         full = dict(row)
-        full.setdefault("logprobs", [0.0] * n)
-        full.setdefault("reward", 0.0)
+        full.setdefault(LOGPROBS, [0.0] * n)
+        full.setdefault(REWARD, 0.0)
         full.setdefault("group", index)
         out.append(full)
     return out
@@ -244,11 +245,11 @@ class CriticTrainer:
         ``reward`` (plus ``logprobs``/``ref_logprobs`` with ``kl.mode = "reward"``).
         """
         started = time.perf_counter()
-        keep = [i for i, row in enumerate(rows) if len(row["response_ids"]) > 0]
+        keep = [i for i, row in enumerate(rows) if len(row[RESPONSE_IDS]) > 0]
         if not keep:
             return False, {"rows": 0.0}
         with self._lock:
-            rows = [{**rows[i], "values": list(values[i])} for i in keep]
+            rows = [{**rows[i], VALUES: list(values[i])} for i in keep]
             batch = self._pack(rows)
             assert batch.values is not None
             token_rewards = critic_token_rewards(batch, self.algorithm)

@@ -1,6 +1,8 @@
 """Moving bytes and tensors: one wire format (msgpack header + raw tensor buffers, never pickle)
 and message RPC over it, the transport chosen by URL scheme (``inproc://``, ``tcp://``,
-``ipc://``; see :mod:`relax.transport._rpc`).
+``ipc://``; see :mod:`relax.transport._rpc`); ``nccl://`` tensor groups (:func:`open_group`);
+and the default torch.distributed world a gang shares (:func:`init_world`, with
+:func:`broadcast_bytes` and :func:`all_gather_bytes` over it).
 """
 
 from relax.transport._rpc import connect, serve
@@ -15,20 +17,32 @@ __all__ = [
     "RawTensor",
     "Server",
     "TensorGroup",
+    "all_gather_bytes",
+    "broadcast_bytes",
     "connect",
     "dumps",
     "dumps_parts",
+    "init_world",
     "loads",
     "open_group",
     "serve",
 ]
 
+# Names whose modules import torch, loaded only when asked for, so processes that never move
+# tensors (a supervisor, the bus, `relax status`) import this package quickly.
+_LAZY = {
+    "TensorGroup": "relax.transport._group",
+    "open_group": "relax.transport._group",
+    "init_world": "relax.transport._collective",
+    "broadcast_bytes": "relax.transport._collective",
+    "all_gather_bytes": "relax.transport._collective",
+}
+
 
 def __getattr__(name: str) -> object:
-    # The tensor group imports torch; load it only when asked for, so processes that never
-    # move tensors (a supervisor, the bus) import this package quickly.
-    if name in ("TensorGroup", "open_group"):
-        from relax.transport import _group
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'relax.transport' has no attribute {name!r}")
+    import importlib
 
-        return getattr(_group, name)
-    raise AttributeError(f"module 'relax.transport' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

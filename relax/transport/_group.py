@@ -11,16 +11,18 @@ named after the group and constructs the backend object directly
 (``ProcessGroupGloo(store, rank, size, options)`` / ``ProcessGroupNCCL(...)``), the way
 ``torch.distributed.new_group`` does internally, but without ``init_process_group``. Nothing
 is registered globally, so a trainer already inside a DeepSpeed world is unaffected and
-``torch.distributed.is_initialized()`` keeps its value.
+``torch.distributed.is_initialized()`` keeps its value. (The store: ``_rendezvous``; the
+backend object: ``_group_backend``.)
 
 Every operation starts with a *handshake*: an all-gather of a small int64 header (protocol,
 operation kind, source rank, sequence number, tensor count, byte count, a digest of dtypes and
 shapes). Each rank then knows whether everybody is doing the same operation with matching
 buffers before a single payload byte moves, so a receiver with wrong buffers gets a clear
-``TransportError`` (on every rank, and the group stays usable) instead of garbage or a hang.
-After the handshake every rank is inside the operation, so the payload (sent in 16 MiB
-chunks) gets a short "no progress" limit, ``stall_timeout``, instead of the whole ``timeout``:
-gloo does not notice a peer that is SIGKILLed mid-transfer until the collective times out.
+``TransportError`` (on every rank, and the group stays usable) instead of garbage or a hang
+(the header and its checks: ``_group_header``). After the handshake every rank is inside the
+operation, so the payload (sent in 16 MiB chunks) gets a short "no progress" limit,
+``stall_timeout``, instead of the whole ``timeout``: gloo does not notice a peer that is
+SIGKILLed mid-transfer until the collective times out.
 
 Errors, named by what the caller does next:
 
@@ -36,245 +38,42 @@ Errors, named by what the caller does next:
 - ``ValueError``/``TypeError``: bad arguments on this rank; the other ranks get a
   ``TransportError`` naming this rank, and the group stays usable.
 
-Collectives block, so each group runs them, in order, on its own daemon thread; the asyncio
-loop keeps serving (heartbeats) during a 50 MB transfer. Cancelling an awaiting coroutine does
-not cancel the collective: it finishes (or times out) on the group's thread, later operations
-queue behind it, and the ranks stay in step. Its buffers must not be reused until then.
+Collectives block, so each group runs them, in order, on its own daemon thread
+(``_group_worker``); the asyncio loop keeps serving (heartbeats) during a 50 MB transfer.
+Cancelling an awaiting coroutine does not cancel the collective: it finishes (or times out) on
+the group's thread, later operations queue behind it, and the ranks stay in step. Its buffers
+must not be reused until then.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import datetime
 import functools
-import hashlib
-import os
-import queue
-import socket
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch
-import torch.distributed as dist
 
 from relax.errors import PeerGone, TransportError
-
-_MAGIC = 0x524C5847  # "RLXG"
-_PROTOCOL = 1
-_ALIGN = 64  # bucket offsets; covers every dtype's alignment, so slices can be viewed as any dtype
-_GRACE_S = 5.0  # extra time the event loop gives a backend before it declares it stuck
-# Payloads move in chunks, each with its own "no progress" limit (stall_timeout): gloo does
-# not notice a peer that dies mid-transfer (it waits for the full operation timeout), and one
-# chunk must not outlast the stall limit on a slow link (16 MiB in 5 s is 3.4 MB/s).
-_CHUNK = 16 << 20
-
-# Header fields (one int64 each), all-gathered at the start of every operation.
-_KIND_OPEN, _KIND_BARRIER, _KIND_BROADCAST, _KIND_BUCKET = 0, 1, 2, 3
-_KIND_NAMES = {0: "open", 1: "barrier", 2: "broadcast", 3: "broadcast_bucket"}
-(_F_MAGIC, _F_PROTO, _F_KIND, _F_SRC, _F_SEQ, _F_WORLD, _F_OK, _F_COUNT, _F_BYTES, _F_DIGEST) = (
-    range(10)
+from relax.transport._group_backend import build_backend, parse_url, pick_device, shutdown_backend
+from relax.transport._group_header import (
+    CHUNK,
+    KIND_BARRIER,
+    KIND_BROADCAST,
+    KIND_BUCKET,
+    KIND_NAMES,
+    KIND_OPEN,
+    Layout,
+    check_headers,
+    header,
+    peer_gone,
+    validate,
 )
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Where each tensor sits in a bucket, plus a digest both sides compute identically."""
-
-    offsets: tuple[int, ...]
-    nbytes: tuple[int, ...]
-    total: int
-    digest: int
-
-    @classmethod
-    def of(cls, tensors: Sequence[torch.Tensor]) -> _Layout:
-        h = hashlib.blake2b(digest_size=8)
-        offsets, sizes, pos = [], [], 0
-        for t in tensors:
-            pos += (-pos) % _ALIGN
-            n = t.numel() * t.element_size()
-            offsets.append(pos)
-            sizes.append(n)
-            pos += n
-            h.update(f"{t.dtype}{tuple(t.shape)};".encode())
-        digest = int.from_bytes(h.digest(), "little", signed=True)
-        return cls(tuple(offsets), tuple(sizes), pos, digest)
-
-
-def _peer_gone(what: str, exc: BaseException, late: str) -> PeerGone:
-    """Map a torch/backend error into ``PeerGone``; ``late`` says what a timeout means here."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    lowered = text.lower()
-    if "timed out" in lowered or "timeout" in lowered:
-        why = late
-    elif "closed" in lowered or "reset" in lowered or "refused" in lowered:
-        why = "a peer closed its connection (crashed or exited)"
-    else:
-        why = "the backend failed"
-    return PeerGone(f"{what}: {why} ({type(exc).__name__}: {text})")
-
-
-def _local_address_towards(host: str, port: int) -> str:
-    """The local IP that routes to ``host``: where gloo should listen so rank 0 can reach us.
-
-    A UDP ``connect`` sends nothing; it only asks the kernel for the route. On loopback this is
-    127.0.0.1, so tests never listen on a public interface.
-    """
-    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(addr)
-        return str(probe.getsockname()[0])
-
-
-def _wait_for_listener(host: str, port: int, deadline: float) -> None:
-    """Wait until rank 0's store accepts connections, or raise ``TimeoutError`` at deadline.
-
-    TCPStore's client does retry by itself, but it overshoots its timeout (it retries once
-    after timing out) and logs a C++ stack trace for every failed try; rank 0 starting a
-    little later than the others is normal, not worth a trace.
-    """
-    delay = 0.01
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"timed out: nothing listens on {host}:{port}")
-        try:
-            socket.create_connection((host, port), timeout=left).close()
-            return
-        except OSError:
-            time.sleep(min(delay, max(deadline - time.monotonic(), 0)))  # connect backoff
-            delay = min(delay * 2, 0.2)
-
-
-class _Worker:
-    """One daemon thread that runs a group's blocking calls in submission order.
-
-    Not a ``ThreadPoolExecutor``: its threads are joined at interpreter exit, so a backend
-    stuck in C++ would hang the process on the way out.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._jobs.put((fn, future))
-        return future
-
-    def stop(self) -> None:
-        self._jobs.put(None)
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
-
-    def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, future = job
-            # Drop our references before publishing the outcome: a job may hold the backend
-            # (and through it rank 0's store), which must be gone once aclose returns.
-            del job
-            if future.set_running_or_notify_cancel():
-                try:
-                    result = fn()
-                except BaseException as exc:  # handed to the awaiting coroutine
-                    del fn
-                    future.set_exception(exc)
-                else:
-                    del fn
-                    future.set_result(result)
-                    del result
-            del future
-
-
-# rank 0's store servers, shared by the groups this process hosts on one (host, port); the
-# PrefixStore keeps their keys apart. Names are single-use per server: gloo's rendezvous keys
-# stay in the store, and a second group of the same name would read the first one's.
-@dataclass
-class _StoreServer:
-    store: Any
-    names: set[str] = field(default_factory=set)
-    users: int = 0
-
-
-_servers: dict[tuple[str, int], _StoreServer] = {}
-_servers_lock = threading.Lock()
-
-
-def _host_store(host: str, port: int, name: str, timeout: datetime.timedelta) -> Any:
-    with _servers_lock:
-        server = _servers.get((host, port))
-        if server is None:
-            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-            listener = socket.socket(family, socket.SOCK_STREAM)
-            try:
-                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                listener.bind((host, port))
-                listener.listen(256)
-                store = dist.TCPStore(
-                    host,
-                    port,
-                    None,
-                    True,
-                    timeout,
-                    wait_for_workers=False,
-                    master_listen_fd=listener.fileno(),
-                )
-            except OSError as exc:
-                listener.close()
-                raise TransportError(
-                    f"cannot host the group store at {host}:{port}: {exc}"
-                ) from exc
-            except BaseException:
-                listener.close()
-                raise
-            listener.detach()  # the store owns (and closes) the descriptor from now on
-            server = _servers[(host, port)] = _StoreServer(store)
-        if name in server.names:
-            raise TransportError(
-                f"a group named {name!r} was already opened on {host}:{port} while its store "
-                "lives; give each group (or each reopening) its own name"
-            )
-        server.names.add(name)
-        server.users += 1
-        return server.store
-
-
-def _release_store(host: str, port: int) -> None:
-    with _servers_lock:
-        server = _servers.get((host, port))
-        if server is not None:
-            server.users -= 1
-            if server.users <= 0:
-                del _servers[(host, port)]  # the last reference: the server stops listening
-
-
-@contextlib.contextmanager
-def _nccl_env() -> Any:
-    # NCCL's default error handling kills the whole process when a collective times out; a
-    # trainer must survive a rollout worker dying, so ask for "abort the communicator only"
-    # unless the user chose otherwise. Read once, in ProcessGroupNCCL's constructor.
-    key = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-    if key in os.environ:
-        yield
-        return
-    os.environ[key] = "2"
-    try:
-        yield
-    finally:
-        os.environ.pop(key, None)
-
-
-# --------------------------------------------------------------------------- the group
+from relax.transport._group_worker import GRACE_S, Worker, consume
+from relax.transport._rendezvous import release_named_store
 
 
 class TensorGroup:
@@ -305,7 +104,7 @@ class TensorGroup:
         pg: Any,
         store: Any,
         store_key: tuple[str, int] | None,
-        worker: _Worker,
+        worker: Worker,
         timeout: float,
         stall_timeout: float,
     ) -> None:
@@ -333,7 +132,7 @@ class TensorGroup:
         same dtypes and shapes, filled in place and returned. Tensors may be non-contiguous or
         on another device than the group's; they are staged through a contiguous copy.
         """
-        return await self._operation(_KIND_BROADCAST, tensors, src, timeout)
+        return await self._operation(KIND_BROADCAST, tensors, src, timeout)
 
     async def broadcast_bucket(
         self, tensors: list[torch.Tensor], *, src: int = 0, timeout: float | None = None
@@ -346,11 +145,11 @@ class TensorGroup:
         byte buffer (the largest bucket so far) is kept for reuse until :meth:`aclose`; split
         huge state dicts into several buckets.
         """
-        return await self._operation(_KIND_BUCKET, tensors, src, timeout)
+        return await self._operation(KIND_BUCKET, tensors, src, timeout)
 
     async def barrier(self, timeout: float | None = None) -> None:
         """Return once every rank has reached the barrier."""
-        await self._operation(_KIND_BARRIER, [], 0, timeout)
+        await self._operation(KIND_BARRIER, [], 0, timeout)
 
     def statistics(self) -> dict[str, Any]:
         """Counters since open: operations, collectives, payload bytes, seconds in collectives.
@@ -380,20 +179,20 @@ class TensorGroup:
         if self._pending:
             # Bounded even if nobody awaits the operation any more (its caller was cancelled)
             # and the backend ignores its timeout: then abort it, which makes it return.
-            _, stuck = await asyncio.wait(set(self._pending), timeout=self._longest + _GRACE_S)
+            _, stuck = await asyncio.wait(set(self._pending), timeout=self._longest + GRACE_S)
             if stuck:
                 with contextlib.suppress(Exception):
                     self._pg.abort()
         pg, self._pg = self._pg, None
-        self._worker.submit(functools.partial(_shutdown_backend, pg))
+        self._worker.submit(functools.partial(shutdown_backend, pg))
         del pg
         self._worker.stop()
         # Joined, so the backend and rank 0's store are really released when we return (the
         # port can be reused at once); bounded, in case a backend is stuck in C++.
-        await asyncio.to_thread(self._worker.join, _GRACE_S)
+        await asyncio.to_thread(self._worker.join, GRACE_S)
         self._store = self._bucket_buffer = None
         if self._store_key is not None:
-            _release_store(*self._store_key)
+            release_named_store(*self._store_key)
             self._store_key = None
 
     async def __aenter__(self) -> TensorGroup:
@@ -423,7 +222,7 @@ class TensorGroup:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         tensors = list(tensors)
-        problem = _validate(tensors)
+        problem = validate(tensors)
         if problem is not None:
             # Still take part in the handshake, so the peers learn at once instead of timing out.
             tensors = []
@@ -432,7 +231,7 @@ class TensorGroup:
         self._longest = max(self._longest, timeout)
         return await self._run(
             lambda: self._collective(kind, tensors, src, seq, timeout, problem),
-            f"{_KIND_NAMES[kind]} #{seq}",
+            f"{KIND_NAMES[kind]} #{seq}",
             timeout,
         )
 
@@ -447,7 +246,7 @@ class TensorGroup:
         future = asyncio.wrap_future(self._worker.submit(wrapped), loop=loop)
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
-        future.add_done_callback(_consume)  # a cancelled caller never reads the outcome
+        future.add_done_callback(consume)  # a cancelled caller never reads the outcome
         # Cancelling the caller must not drop a queued collective, or the ranks would fall
         # out of step: neither wait below cancels what it waits for (asyncio.wait, shield),
         # so the job runs (or times out) on the group's thread regardless.
@@ -461,7 +260,7 @@ class TensorGroup:
         finally:
             waiter.cancel()
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout + _GRACE_S)
+            return await asyncio.wait_for(asyncio.shield(future), timeout + GRACE_S)
         except asyncio.TimeoutError:
             # The backend ignored its own timeout (an NCCL hang). Abort it so the thread
             # returns, and give up on the group.
@@ -481,31 +280,34 @@ class TensorGroup:
     ) -> list[torch.Tensor]:
         """Runs on the group's thread: prepare, handshake, payload, unpack."""
         deadline = time.monotonic() + timeout
-        what = f"{self!r}: {_KIND_NAMES[kind]} #{seq}"
+        what = f"{self!r}: {KIND_NAMES[kind]} #{seq}"
         if self._broken is not None:  # an earlier queued operation broke the group
             raise PeerGone(f"{self!r} is unusable since {self._broken}; close it and open anew")
-        layout = _Layout.of(tensors)
+        layout = Layout.of(tensors)
         with torch.no_grad():  # receive buffers may be parameters that require grad
             # Everything slow (packing, staging, allocating) happens before the handshake, so
             # once every rank has passed it the payload flows at once on all of them, and a
             # chunk that makes no progress for `stall_timeout` means a peer died mid-transfer.
             payload: list[torch.Tensor] = []
             unpack: list[tuple[torch.Tensor, torch.Tensor]] = []  # (from, into) on receivers
-            if problem is None and kind == _KIND_BUCKET:
+            if problem is None and kind == KIND_BUCKET:
                 payload, unpack = self._prepare_bucket(tensors, layout, src)
-            elif problem is None and kind == _KIND_BROADCAST:
+            elif problem is None and kind == KIND_BROADCAST:
                 payload, unpack = self._prepare_each(tensors, src)
-            header = [_MAGIC, _PROTOCOL, kind, src, seq, self.world_size, int(problem is None)]
-            header += [len(tensors), sum(layout.nbytes), layout.digest]
-            mine = torch.tensor(header, dtype=torch.int64, device=self.device)
+            fields = header(kind, src, seq, self.world_size, problem is None, len(tensors), layout)
+            mine = torch.tensor(fields, dtype=torch.int64, device=self.device)
             out = [torch.empty_like(mine) for _ in range(self.world_size)]
             self._wait(what, timeout, deadline, None, lambda t: self._pg.allgather(out, mine, t))
-            self._check_headers([t.cpu().tolist() for t in out], what)
+            broken, error = check_headers([t.cpu().tolist() for t in out], self.rank, what)
+            if broken is not None:
+                self._broken = broken
+            if error is not None:
+                raise error
             if problem is not None:
                 raise problem
             for flat in payload:
-                for start in range(0, flat.numel(), _CHUNK):
-                    chunk = flat[start : start + _CHUNK]
+                for start in range(0, flat.numel(), CHUNK):
+                    chunk = flat[start : start + CHUNK]
                     self._wait(
                         what,
                         timeout,
@@ -515,13 +317,13 @@ class TensorGroup:
                     )
             for wire, t in unpack:
                 t.copy_(wire)
-        if kind in (_KIND_BUCKET, _KIND_BROADCAST):
+        if kind in (KIND_BUCKET, KIND_BROADCAST):
             self._stats["operations"] += 1
             self._stats["bytes"] += sum(layout.nbytes)
         return tensors
 
     def _prepare_bucket(
-        self, tensors: list[torch.Tensor], layout: _Layout, src: int
+        self, tensors: list[torch.Tensor], layout: Layout, src: int
     ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
         if layout.total == 0:
             return [], []
@@ -584,110 +386,10 @@ class TensorGroup:
                 late = f"the transfer made no progress for {stall:g} s (a peer died or hung)"
             else:
                 late = f"a peer did not take part within {timeout:g} s"
-            raise _peer_gone(what, exc, late) from exc
+            raise peer_gone(what, exc, late) from exc
         finally:
             self._stats["collectives"] += 1
             self._stats["seconds"] += time.perf_counter() - start
-
-    def _check_headers(self, headers: list[list[int]], what: str) -> None:
-        mine = headers[self.rank]
-        step = (_F_KIND, _F_SRC, _F_SEQ, _F_WORLD)
-        for r, h in enumerate(headers):
-            if h[_F_MAGIC] != _MAGIC or h[_F_PROTO] != _PROTOCOL:
-                self._broken = f"rank {r} speaks another protocol (header {h})"
-                raise TransportError(f"{what}: {self._broken}")
-            if [h[i] for i in step] != [mine[i] for i in step]:
-                # The ranks issued different operations: nothing later can be trusted.
-                self._broken = (
-                    f"ranks out of step: rank {r} runs {_describe(h)}, "
-                    f"rank {self.rank} runs {_describe(mine)}"
-                )
-                raise TransportError(f"{what}: {self._broken}")
-        rejected = [r for r, h in enumerate(headers) if not h[_F_OK]]
-        if rejected:
-            if self.rank in rejected:
-                return  # this rank raises its own ValueError/TypeError; no payload moves
-            raise TransportError(f"{what}: rank(s) {rejected} rejected their arguments")
-        src = mine[_F_SRC]
-        ref = headers[src]
-        fields = (_F_COUNT, _F_BYTES, _F_DIGEST)
-        wrong = [
-            r for r, h in enumerate(headers) if [h[i] for i in fields] != [ref[i] for i in fields]
-        ]
-        if wrong:
-            details = "; ".join(
-                f"rank {r} expects {headers[r][_F_COUNT]} tensors / {headers[r][_F_BYTES]} bytes"
-                + (" of other dtypes or shapes" if headers[r][_F_BYTES] == ref[_F_BYTES] else "")
-                for r in wrong
-            )
-            raise TransportError(
-                f"{what}: receive buffers do not match what rank {src} sends "
-                f"({ref[_F_COUNT]} tensors / {ref[_F_BYTES]} bytes; dtypes and shapes must "
-                f"match, in order): {details}"
-            )
-
-
-def _consume(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
-
-
-def _validate(tensors: list[Any]) -> Exception | None:
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            return TypeError(f"tensors[{i}] is a {type(t).__name__}, not a torch.Tensor")
-        if t.layout != torch.strided:
-            return TypeError(f"tensors[{i}] has layout {t.layout}; only dense tensors travel")
-    return None
-
-
-def _describe(h: list[int]) -> str:
-    kind = _KIND_NAMES.get(h[_F_KIND], f"kind {h[_F_KIND]}")
-    return f"{kind} #{h[_F_SEQ]} from src {h[_F_SRC]} (world {h[_F_WORLD]})"
-
-
-def _shutdown_backend(pg: Any) -> None:
-    if pg is None:
-        return
-    # Free NCCL communicators now instead of at garbage collection; gloo needs nothing.
-    if hasattr(pg, "shutdown") and not isinstance(pg, dist.ProcessGroupGloo):
-        with contextlib.suppress(Exception):
-            pg.shutdown()
-
-
-# --------------------------------------------------------------------------- opening
-
-
-def _parse(url: str) -> tuple[str, int, str]:
-    parts = urlsplit(url)
-    if parts.scheme != "nccl":
-        raise ValueError(f"a tensor group URL looks like nccl://HOST:PORT[/NAME], got {url!r}")
-    try:
-        port = parts.port
-    except ValueError as exc:
-        raise ValueError(f"bad port in {url!r}: {exc}") from None
-    if not parts.hostname or not port:
-        raise ValueError(f"a tensor group URL needs a host and a port: {url!r}")
-    name = parts.path.strip("/") or "default"
-    return parts.hostname, port, name
-
-
-def _pick_device(device: str | torch.device | None) -> tuple[torch.device, str]:
-    if device is None:
-        cuda = torch.cuda.is_available() and dist.is_nccl_available()
-        device = "cuda" if cuda else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if not (torch.cuda.is_available() and dist.is_nccl_available()):
-            raise ValueError(f"device {dev} asked for, but CUDA with NCCL is not available here")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        return dev, "nccl"
-    if dev.type != "cpu":
-        raise ValueError(f"tensor groups run on cpu (gloo) or cuda (NCCL), not {dev.type}")
-    if not dist.is_gloo_available():
-        raise ValueError("this torch build has no gloo backend")
-    return dev, "gloo"
 
 
 async def open_group(
@@ -715,66 +417,26 @@ async def open_group(
     ``timeout``, which must also cover peers arriving late; gloo itself notices a peer that
     dies mid-transfer only at the operation's timeout.
     """
-    host, port, name = _parse(url)
+    host, port, name = parse_url(url)
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a group of world_size {world_size}")
     if timeout <= 0 or stall_timeout <= 0:
         raise ValueError(f"timeouts must be positive, got {timeout} and {stall_timeout}")
-    dev, backend = _pick_device(device)
+    dev, backend = pick_device(device)
     opened_at = time.monotonic()
-    worker = _Worker(f"relax-group-{name}-r{rank}")
+    worker = Worker(f"relax-group-{name}-r{rank}")
     key = (host, port) if rank == 0 else None
 
-    def build() -> tuple[Any, Any]:
-        deadline = time.monotonic() + timeout
-
-        def left() -> datetime.timedelta:
-            return datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-
-        what = f"opening {url} as rank {rank}/{world_size}"
-        try:
-            if rank == 0:
-                store = _host_store(host, port, name, left())
-            else:
-                _wait_for_listener(host, port, deadline)
-                store = dist.TCPStore(host, port, None, False, left())
-        except (RuntimeError, TimeoutError) as exc:  # DistNetworkError etc.: rank 0 not there
-            late = f"rank 0 did not host it within {timeout:g} s"
-            raise _peer_gone(f"{what}: cannot reach rank 0's store", exc, late) from exc
-        try:
-            prefixed = dist.PrefixStore(f"relax/group/{name}", store)
-            if backend == "gloo":
-                opts = dist.ProcessGroupGloo._Options()
-                opts._timeout = left()
-                # Listen where rank 0 can reach us (loopback in tests), not on whatever the
-                # machine's hostname resolves to.
-                iface = _local_address_towards(host, port)
-                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=iface)]
-                pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
-            else:
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = left()
-                opts.is_high_priority_stream = False
-                with _nccl_env():
-                    pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-        except RuntimeError as exc:  # rendezvous timed out: some rank never joined
-            if key is not None:
-                _release_store(*key)
-            late = f"a peer did not join within {timeout:g} s"
-            raise _peer_gone(f"{what}: not every rank joined", exc, late) from exc
-        except BaseException:
-            if key is not None:
-                _release_store(*key)
-            raise
-        return store, pg
-
+    build = functools.partial(
+        build_backend, url, rank=rank, world_size=world_size, backend=backend, timeout=timeout
+    )
     try:
         store, pg = await asyncio.wrap_future(worker.submit(build))
     except BaseException:
         worker.stop()
         # Joined: a daemon thread still dropping tensors while the interpreter finalizes
         # aborts the process ("terminate called without an active exception").
-        await asyncio.to_thread(worker.join, _GRACE_S)
+        await asyncio.to_thread(worker.join, GRACE_S)
         raise
     group = TensorGroup(
         url=url,
@@ -794,7 +456,7 @@ async def open_group(
         # A first collective proves every rank is there and agrees on the world size, and
         # makes NCCL build its communicator now rather than in the first real transfer.
         left = max(timeout - (time.monotonic() - opened_at), 0.001)
-        await group._operation(_KIND_OPEN, [], 0, left)
+        await group._operation(KIND_OPEN, [], 0, left)
     except BaseException:
         await group.aclose()
         raise

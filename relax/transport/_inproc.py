@@ -24,7 +24,7 @@ import anyio
 
 from relax.errors import AuthFailed, CallTimeout, PeerGone, TransportError, error_from_dict
 from relax.errors import error_to_dict as _error_to_dict
-from relax.transport._rpc_base import Client, Handler, Peer, Server
+from relax.transport._rpc_base import Client, Handler, Peer, Server, cancel_and_wait
 
 _servers: dict[str, InprocServer] = {}
 _waiters: dict[str, set[asyncio.Future[None]]] = {}
@@ -69,10 +69,7 @@ class InprocServer(Server):
         self._closed = True
         if _servers.get(self.name) is self:
             del _servers[self.name]
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
 
     def statistics(self) -> dict[str, Any]:
         return {

@@ -7,7 +7,8 @@ Transports (``_inproc``, ``_rpc_server``/``_rpc_client`` over NNG) implement :cl
 from __future__ import annotations
 
 import abc
-from collections.abc import Awaitable, Callable
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
@@ -64,6 +65,15 @@ Handler = Callable[[Any, Peer], Awaitable[Any]]
 """A request handler: ``await handler(payload, peer)`` returns the reply payload or raises."""
 
 _T = TypeVar("_T")
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel ``tasks`` (a snapshot: the set may shrink meanwhile) and wait until all ended;
+    what a server does with the handler tasks still running when it closes."""
+    snapshot = list(tasks)
+    for task in snapshot:
+        task.cancel()
+    await asyncio.gather(*snapshot, return_exceptions=True)
 
 
 class _AsyncClosing:

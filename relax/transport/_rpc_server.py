@@ -36,7 +36,7 @@ from relax.errors import MessageTooLarge, TransportError, error_to_dict
 from relax.log import get_logger
 from relax.transport import _auth
 from relax.transport._rpc_aio import Channel, Closed
-from relax.transport._rpc_base import Handler, Limits, Peer, Server
+from relax.transport._rpc_base import Handler, Limits, Peer, Server, cancel_and_wait
 from relax.transport._rpc_dedup import Partial, Reply, Session
 from relax.transport._rpc_frames import (
     ACK,
@@ -162,10 +162,7 @@ class NngServer(Server):
             channel.close()
         if self._sock is not None:
             close_quietly(self._sock)
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
 
     def statistics(self) -> dict[str, Any]:
         return {

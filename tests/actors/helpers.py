@@ -1,28 +1,16 @@
-"""Waiting on conditions (never on fixed sleeps) and reading supervisor snapshots."""
+"""Reading supervisor snapshots, and waiting on what they say (by polling: ``tests.polling``).
+
+``wait_until`` is imported here too, where the tests of other areas still import it from."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
+from relax.actors import Supervisor
+from tests.polling import wait_until
 
-async def wait_until(
-    condition: Callable[[], Awaitable[bool] | bool], timeout: float = 10.0, what: str = "condition"
-) -> float:
-    """Poll ``condition`` until true; returns the seconds it took, fails after ``timeout``."""
-    start = time.monotonic()
-    while True:
-        result = condition()
-        if isinstance(result, Awaitable):
-            result = await result
-        if result:
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
+__all__ = ["find", "pid_alive", "restarted", "running_pid", "starts", "wait_until"]
 
 
 def find(snapshot: dict[str, Any], path: str) -> dict[str, Any]:
@@ -31,6 +19,33 @@ def find(snapshot: dict[str, Any], path: str) -> dict[str, Any]:
     for part in path.split("/"):
         node = next(c for c in node["children"] if c["id"] == part)
     return node
+
+
+async def running_pid(tree: Supervisor, path: str, timeout: float) -> int:
+    """The first process of child ``path`` of ``tree``, once it runs with its processes up."""
+
+    async def running() -> int | None:
+        entry = find(await tree.snapshot(), path)
+        return entry["pids"][0] if entry["state"] == "running" and entry["pids"] else None
+
+    return await wait_until(running, timeout=timeout, what=f"{path} running")
+
+
+async def restarted(
+    tree: Supervisor,
+    path: str,
+    old_pid: int,
+    timeout: float,
+    *,
+    states: tuple[str, ...] = ("running",),
+) -> None:
+    """Wait until child ``path`` of ``tree`` is in one of ``states`` without ``old_pid``."""
+
+    async def back() -> bool:
+        entry = find(await tree.snapshot(), path)
+        return entry["state"] in states and old_pid not in entry["pids"]
+
+    await wait_until(back, timeout=timeout, what=f"{path} restarted")
 
 
 def starts(events: list[str], actor_id: str) -> int:

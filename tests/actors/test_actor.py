@@ -10,7 +10,7 @@ from relax.actors import Actor, ActorContext
 from relax.actors._cell import Cell
 from relax.errors import ActorDead, CallTimeout, StartFailed
 from tests.actors.fixtures import CrashOnStart, Echo, read_events
-from tests.actors.helpers import wait_until
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.anyio
 

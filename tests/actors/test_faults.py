@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from relax.actors import ChildSpec, InProc, Process, Supervisor
 from relax.errors import SupervisorGaveUp
 from tests.actors.fixtures import CrashSoon, Echo, read_events
 from tests.actors.helpers import pid_alive, starts
+from tests.polling import poll_until
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,11 +36,12 @@ def test_sigkill_of_the_supervisor_leaves_no_orphans() -> None:
         assert len(children) == 4 and all(pid_alive(p) for p in children)
         os.kill(pids["supervisor"], signal.SIGKILL)
         proc.wait(10)
-        deadline = time.monotonic() + 10
-        while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        survivors = [p for p in children if pid_alive(p)]
-        assert survivors == [], f"orphaned children still running: {survivors}"
+        poll_until(
+            lambda: not any(pid_alive(p) for p in children),
+            10,
+            f"the children {children} to die with their supervisor (none orphaned)",
+            interval=0.05,
+        )
     finally:
         proc.kill()
         proc.wait()

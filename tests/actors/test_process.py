@@ -13,7 +13,8 @@ import torch
 from relax.actors import ChildSpec, Process, Supervisor
 from relax.errors import ActorDead, CallTimeout, RemoteError, StartFailed
 from tests.actors.fixtures import Echo, FailRestart, StubbornStop, read_events
-from tests.actors.helpers import find, pid_alive, starts, wait_until
+from tests.actors.helpers import find, pid_alive, starts
+from tests.polling import wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

@@ -9,7 +9,8 @@ import pytest
 from relax.actors import ChildSpec, Restart, Strategy, Supervisor
 from relax.errors import ActorDead, StartFailed, SupervisorGaveUp
 from tests.actors.fixtures import CrashOnStart, CrashSoon, Echo, FinishSoon, read_events
-from tests.actors.helpers import find, starts, wait_until
+from tests.actors.helpers import find, starts
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.anyio
 

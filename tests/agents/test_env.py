@@ -15,15 +15,14 @@ from relax.agents import (
     Env,
     EpisodeLimits,
     Sampler,
-    Sampling,
     Step,
     model_spans,
     run_episode,
 )
 from relax.agents.envs import Calculator, GuessNumber, evaluate
 from relax.config import ModelInitConfig
-from relax.engines import HFEngine, build_tiny_model, stop_token_ids
-from relax.engines._models import CHAT_TEMPLATE, SPECIAL_TOKENS
+from relax.engines import HFEngine, SamplingParams
+from relax.models import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tiny_model, stop_token_ids
 from relax.training import pack_batch
 
 pytestmark = pytest.mark.anyio
@@ -84,14 +83,16 @@ class Recording(Sampler):
         super().__init__(engine)
         self.log: list[tuple[list[int], list[int], list[float]]] = []
 
-    async def generate(self, prompt: Any, **kwargs: Any) -> Any:
-        gens = await super().generate(prompt, **kwargs)
+    async def generate(self, prompt: Any, params: SamplingParams, **kwargs: Any) -> Any:
+        gens = await super().generate(prompt, params, **kwargs)
         self.log.append((list(prompt), gens[0].response_ids, gens[0].logprobs))
         return gens
 
 
-def sampling(engine: HFEngine, seed: int = 1) -> Sampling:
-    return Sampling(stop_token_ids=tuple(stop_token_ids(engine.tokenizer)), seed=seed)
+def sampling(engine: HFEngine, seed: int = 1) -> SamplingParams:
+    # The episode's limits cap every reply (``max_reply_tokens``, the token budget).
+    stops = stop_token_ids(engine.tokenizer)
+    return SamplingParams(max_new_tokens=1024, stop_token_ids=stops, seed=seed)
 
 
 def check_token_exact(traj: Any, log: list[tuple[list[int], list[int], list[float]]]) -> None:

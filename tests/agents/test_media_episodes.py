@@ -23,48 +23,23 @@ from relax.agents import (
     Env,
     EpisodeLimits,
     Sampler,
-    Sampling,
     Step,
     Trajectory,
     model_spans,
     run_episode,
 )
 from relax.agents.envs import SHAPE_QUEST_LETTERS, GuessNumber, ShapeQuest, shape_quest_tasks
-from relax.config import ClusterConfig, ModelInitConfig
-from relax.engines import (
-    HFEngine,
-    build_tiny_model,
-    load_policy,
-    load_processor,
-    stop_token_ids,
-)
-from relax.engines._multimodal import MediaSpec
+from relax.config import ClusterConfig
+from relax.engines import HFEngine, SamplingParams
 from relax.media import PALETTE, draw_shapes, media_limits, mm_from_wire, moving_square, tones
 from relax.media import placeholder_ids as media_placeholder_ids
+from relax.models import MediaSpec, load_policy, stop_token_ids
 from relax.roles._episodes import env_rows
 from relax.training import forward_logprobs, pack_batch
 from relax.transport import dumps, loads
+from tests.models.helpers import OMNI, omni_dir_fixture, processor_fixture  # noqa: F401
 
 pytestmark = pytest.mark.anyio
-
-OMNI = {
-    "arch": "qwen2_5_omni",
-    "hidden_size": 64,
-    "num_layers": 2,
-    "num_heads": 4,
-    "num_kv_heads": 2,
-    "intermediate_size": 128,
-}
-
-
-@pytest.fixture(scope="module")
-def omni_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(ModelInitConfig(**OMNI, seed=0), tmp_path_factory.mktemp("omni"))
-
-
-@pytest.fixture(scope="module")
-def processor(omni_dir: Path) -> Any:
-    return load_processor(omni_dir)
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +60,8 @@ class Recording(Sampler):
         super().__init__(engine)
         self.log: list[dict[str, Any]] = []
 
-    async def generate(self, prompt: Any, **kwargs: Any) -> Any:
-        gens = await super().generate(prompt, **kwargs)
+    async def generate(self, prompt: Any, params: SamplingParams, **kwargs: Any) -> Any:
+        gens = await super().generate(prompt, params, **kwargs)
         self.log.append(
             {
                 "prompt": list(prompt),
@@ -163,8 +138,10 @@ def _limits() -> EpisodeLimits:
     return EpisodeLimits(max_turns=6, max_tokens=1024, max_reply_tokens=6, observation_role="user")
 
 
-def _sampling(engine: HFEngine, seed: int = 3) -> Sampling:
-    return Sampling(stop_token_ids=tuple(stop_token_ids(engine.tokenizer)), seed=seed)
+def _sampling(engine: HFEngine, seed: int = 3) -> SamplingParams:
+    # The episode's limits cap every reply (``max_reply_tokens``, the token budget).
+    stops = stop_token_ids(engine.tokenizer)
+    return SamplingParams(max_new_tokens=1024, stop_token_ids=stops, seed=seed)
 
 
 def _row(traj: Trajectory, group: str = "g") -> dict[str, Any]:

@@ -28,8 +28,9 @@ from relax.agents._server import AgentServer
 from relax.agents._sessions import SessionStore
 from relax.agents._trajectory import Trajectory, model_spans
 from relax.config import ModelInitConfig
-from relax.engines import Generation, GenerationEngine, HFEngine, build_tiny_model, load_policy
-from relax.engines._models import IM_END, pad_token_id, stop_token_ids
+from relax.engines import Generation, GenerationEngine, HFEngine, SamplingParams
+from relax.models import build_tiny_model, load_policy
+from relax.models._tokenizers import IM_END, pad_token_id, stop_token_ids
 
 pytestmark = pytest.mark.anyio
 
@@ -84,14 +85,9 @@ class ScriptedEngine(GenerationEngine):
     async def generate(
         self,
         prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
         *,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop_token_ids: Sequence[int] = (),
-        n: int = 1,
-        seed: int | Sequence[int] | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[Generation]:
         self.calls += 1
         if self.gate is not None:
@@ -102,9 +98,9 @@ class ScriptedEngine(GenerationEngine):
         end = self.tokenizer.convert_tokens_to_ids(IM_END)
         for prompt in prompts:
             self.prompts.append(list(prompt))
-            for index in range(n):
-                ids = [*self.tokenizer.encode(self.replies.pop(0)), end][:max_new_tokens]
-                stop = ids[-1] in stop_token_ids
+            for index in range(params.n):
+                ids = [*self.tokenizer.encode(self.replies.pop(0)), end][: params.max_new_tokens]
+                stop = ids[-1] in params.stop_token_ids
                 out.append(
                     Generation(
                         prompt_ids=list(prompt),

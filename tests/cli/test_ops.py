@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from relax.cli._logs import format_record, last_lines, matches
 from relax.config import load_config
 from relax.control import CONTROL_FILE
 from tests.actors.helpers import pid_alive
+from tests.polling import poll_until
 
 runner = CliRunner()
 
@@ -139,10 +139,16 @@ def test_logs_unknown_actor_lists_the_actors(logged_run) -> None:
     assert bad_level.exit_code == 2 and "unknown level" in bad_level.stderr
 
 
-def test_logs_fall_back_to_up_log_and_explain_when_there_are_none(tmp_path) -> None:
+def empty_run(tmp_path: Path) -> Path:
+    """A run folder with an empty ``metrics.jsonl`` only: a run that has not trained yet."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("")
+    return run
+
+
+def test_logs_fall_back_to_up_log_and_explain_when_there_are_none(tmp_path) -> None:
+    run = empty_run(tmp_path)
     nothing = invoke("logs", "--run-dir", run)
     assert nothing.exit_code == 1 and "--detach" in nothing.stderr
     (run / "up.log").write_text(
@@ -333,7 +339,7 @@ def test_init_recipes_can_come_from_elsewhere(tmp_path, monkeypatch) -> None:
 @pytest.fixture
 def run_with_checkpoints(tmp_path) -> Path:
     from relax.config import ModelInitConfig
-    from relax.engines import build_tiny_model
+    from relax.models import build_tiny_model
 
     run = tmp_path / "run"
     model = run / "model"
@@ -413,9 +419,7 @@ def test_ckpt_export_builds_the_byte_tokenizer_when_the_run_has_no_files(
 
 
 def test_ckpt_on_a_run_without_checkpoints(tmp_path) -> None:
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text("")
+    run = empty_run(tmp_path)
     listed = invoke("ckpt", "list", "--run-dir", run)
     assert listed.exit_code == 0 and "no checkpoints" in listed.stdout
     export = invoke("ckpt", "export", "latest", tmp_path / "out", "--run-dir", run)
@@ -428,9 +432,7 @@ def test_ckpt_on_a_run_without_checkpoints(tmp_path) -> None:
 
 
 def test_down_when_nothing_runs(tmp_path) -> None:
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text("")
+    run = empty_run(tmp_path)
     result = invoke("down", "--run-dir", run)
     assert result.exit_code == 0 and "nothing to stop" in result.stdout
     (run / CONTROL_FILE).write_text(json.dumps({"pid": 2**22 + 1, "url": "x", "token": "t"}))
@@ -473,16 +475,14 @@ STUBBORN = textwrap.dedent(
 def test_down_terminates_then_kills_a_cluster_that_does_not_stop(tmp_path, monkeypatch) -> None:
     """A stand-in cluster that neither answers its control endpoint nor obeys SIGTERM, with a
     child that ignores SIGTERM too: down escalates to SIGKILL on the process group."""
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text("")
+    run = empty_run(tmp_path)
     cluster = subprocess.Popen([sys.executable, "-c", STUBBORN, str(run)], start_new_session=True)
     try:
         control = run / CONTROL_FILE
-        assert _poll(lambda: control.exists() or cluster.poll() is not None, 60)
+        poll_until(lambda: control.exists() or cluster.poll() is not None, 60, "control.json")
         assert cluster.poll() is None
         child = json.loads(control.read_text())["child"]
-        assert _poll(lambda: child in down_module.descendants(cluster.pid), 30)
+        poll_until(lambda: child in down_module.descendants(cluster.pid), 30, "its child")
         monkeypatch.setattr(down_module, "GRACE_S", 1.0)
         result = invoke("down", "--run-dir", run, "--timeout", "0.5")
         assert result.exit_code == 0, result.output
@@ -495,16 +495,6 @@ def test_down_terminates_then_kills_a_cluster_that_does_not_stop(tmp_path, monke
         if cluster.poll() is None:
             os.killpg(cluster.pid, signal.SIGKILL)
         cluster.wait()
-
-
-def _poll(condition, timeout: float) -> bool:
-    """Wait for ``condition`` (a synchronous ``wait_until``)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_snapshot_pids_walks_nested_supervisors() -> None:

@@ -31,7 +31,8 @@ from relax.cli._tui import StatusApp
 from relax.cli._tui_widgets import Confirm
 from relax.config import parse_config
 from relax.control import CONTROL_FILE, control_request, read_metrics
-from tests.actors.helpers import find, wait_until
+from tests.actors.helpers import find
+from tests.polling import wait_until
 from tests.tiny import tiny_toml
 
 pytestmark = pytest.mark.anyio

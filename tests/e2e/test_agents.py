@@ -14,9 +14,10 @@ import pytest
 from relax import cluster
 from relax.agents import model_spans
 from relax.config import load_config, parse_config
-from relax.engines import load_tokenizer
-from tests.actors.helpers import find, wait_until
+from relax.models import load_tokenizer
+from tests.actors.helpers import running_pid
 from tests.e2e.audit import applied_steps, check_exactly_once, read_metrics, replay_samples_bus
+from tests.polling import wait_until
 from tests.tiny import tiny_toml
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -251,13 +252,7 @@ async def test_sigkilled_rollout_and_trainer_lose_no_episode_and_train_none_twic
                 timeout=120,
                 what=f"{point} applied steps",
             )
-
-            async def running(target: str = target) -> bool:
-                entry = find(await tree.snapshot(), target)
-                return entry["state"] == "running" and bool(entry["pids"])
-
-            await wait_until(running, timeout=60, what=f"{target} running")
-            pid = find(await tree.snapshot(), target)["pids"][0]
+            pid = await running_pid(tree, target, timeout=60)
             os.kill(pid, signal.SIGKILL)
             kills[target] += 1
         await asyncio.wait_for(finished, 240)

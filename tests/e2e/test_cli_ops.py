@@ -11,13 +11,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.actors.helpers import pid_alive
+from tests.polling import poll_until
 
 pytestmark = pytest.mark.slow
 
@@ -38,18 +38,6 @@ def relax(*args: Any, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*RELAX, *(str(a) for a in args)], capture_output=True, text=True, timeout=timeout
     )
-
-
-def poll(condition, timeout: float, what: str) -> Any:
-    """Until ``condition()`` returns something truthy (returned), or fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.2)
 
 
 def status(run: Path) -> dict[str, Any]:
@@ -99,7 +87,7 @@ def test_detach_status_logs_ckpt_down(tmp_path) -> None:
             pids = tree_pids(snapshot)
             return snapshot if all(pids.get(r) for r in ("rollout-0", "reward-0")) else None
 
-        first = poll(all_running, 300, "every role to run")
+        first = poll_until(all_running, 300, "every role to run", interval=0.2)
         assert first["pid"] == cluster_pid
         recorded = {first["pid"]} | {p for pids in tree_pids(first).values() for p in pids}
         assert len(recorded) >= 3, recorded  # the cluster and its process children
@@ -107,8 +95,8 @@ def test_detach_status_logs_ckpt_down(tmp_path) -> None:
         def version() -> int:
             return status(run)["trainer"]["version"]
 
-        v1 = poll(lambda: max(version(), 0), 300, "the first step")
-        v2 = poll(lambda: (v := version()) > v1 and v, 300, "a later version")
+        v1 = poll_until(lambda: max(version(), 0), 300, "the first step", interval=0.2)
+        v2 = poll_until(lambda: (v := version()) > v1 and v, 300, "a later version", interval=0.2)
         assert v2 > v1 >= 1
         later = status(run)
         assert tree_pids(later)["rollout-0"] == tree_pids(first)["rollout-0"]  # no restarts

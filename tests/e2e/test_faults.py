@@ -22,7 +22,7 @@ import pytest
 
 from relax import cluster
 from relax.config import load_config
-from tests.actors.helpers import find, wait_until
+from tests.actors.helpers import restarted, running_pid
 from tests.e2e.audit import (
     applied_steps,
     captured_logs,
@@ -33,6 +33,7 @@ from tests.e2e.audit import (
     read_metrics,
     replay_samples_bus,
 )
+from tests.polling import wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "digits" / "cluster.toml"
@@ -73,23 +74,13 @@ async def test_roles_sigkilled_mid_run_lose_nothing_and_train_nothing_twice(tmp_
                     what=f"{point} applied steps",
                 )
 
-                async def running(target: str = target) -> bool:
-                    entry = find(await tree.snapshot(), target)
-                    return entry["state"] == "running" and bool(entry["pids"])
-
-                await wait_until(running, timeout=60, what=f"{target} running")
+                await running_pid(tree, target, timeout=60)
                 await asyncio.sleep(delay)  # the kill lands at a random moment of the step
                 # The child may be between incarnations right then: kill the next one.
-                await wait_until(running, timeout=60, what=f"{target} running")
-                pid = find(await tree.snapshot(), target)["pids"][0]
+                pid = await running_pid(tree, target, timeout=60)
                 os.kill(pid, signal.SIGKILL)
                 kills[target] += 1
-
-                async def back(target: str = target, old: int = pid) -> bool:
-                    entry = find(await tree.snapshot(), target)
-                    return entry["state"] == "running" and old not in entry["pids"]
-
-                await wait_until(back, timeout=60, what=f"{target} restarted")
+                await restarted(tree, target, pid, timeout=60)
             await asyncio.wait_for(finished, 240)
             snap = await tree.snapshot()
 

@@ -21,7 +21,7 @@ import pytest
 
 from relax import cluster
 from relax.config import load_config
-from relax.engines import load_tokenizer
+from relax.models import load_tokenizer
 from relax.preflight import load_checked
 from relax.rewards import STANDARD_KEYS
 from tests.e2e.audit import applied_steps, check_exactly_once, replay_samples_bus

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from relax import cluster
 from relax.config import load_config
-from relax.engines import load_tokenizer
+from relax.models import load_tokenizer
 from tests.e2e import fault_rewards
 from tests.e2e.audit import (
     captured_logs,

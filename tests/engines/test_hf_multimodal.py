@@ -13,51 +13,26 @@ import pytest
 import torch
 
 from relax.config import ModelInitConfig
-from relax.engines import (
-    EngineError,
-    Generation,
-    HFEngine,
+from relax.engines import EngineError, Generation, HFEngine, SamplingParams
+from relax.media import draw_shapes, moving_square, tones
+from relax.models import (
     build_tiny_model,
-    collate_mm_inputs,
-    is_multimodal,
     load_policy,
-    load_processor,
     processor_kwargs,
     suppressed_token_ids,
 )
-from relax.engines._omni import OMNI_TOKENS
-from relax.media import draw_shapes, moving_square, tones
 from tests.actors.helpers import wait_until
+from tests.models.helpers import build_omni, omni_dir_fixture, processor_fixture  # noqa: F401
 
 pytestmark = pytest.mark.anyio
-
-OMNI = {
-    "arch": "qwen2_5_omni",
-    "hidden_size": 64,
-    "num_layers": 2,
-    "num_heads": 4,
-    "num_kv_heads": 2,
-    "intermediate_size": 128,
-}
-"""The tiny omni thinker of these tests (≈0.38 M parameters)."""
 
 Prompt = tuple[list[int], dict[str, torch.Tensor] | None]
 
 
 @pytest.fixture(scope="module")
-def omni_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(ModelInitConfig(**OMNI, seed=0), tmp_path_factory.mktemp("omni0"))
-
-
-@pytest.fixture(scope="module")
 def omni_dir_other(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same shapes, another seed: the "next version" of the weights."""
-    return build_tiny_model(ModelInitConfig(**OMNI, seed=1), tmp_path_factory.mktemp("omni1"))
-
-
-@pytest.fixture(scope="module")
-def processor(omni_dir: Path) -> Any:
-    return load_processor(omni_dir)
+    return build_omni(tmp_path_factory.mktemp("omni1"), seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -153,87 +128,6 @@ def _batch(prompts: dict[str, Prompt], names: list[str]) -> tuple[list[list[int]
 NAMES = ["image", "audio", "video", "text", "mixed"]
 
 
-# --------------------------------------------------------------------------- building, loading
-
-
-def test_build_tiny_model_makes_an_omni_checkpoint(
-    omni_dir: Path, tmp_path: Path, processor: Any
-) -> None:
-    names = {p.name for p in omni_dir.iterdir()}
-    assert {"config.json", "model.safetensors", "processor_config.json", "tokenizer.json"} <= names
-    model, tokenizer = load_policy(omni_dir)
-    assert type(model).__name__ == "Qwen2_5OmniThinkerForConditionalGeneration"
-    assert is_multimodal(omni_dir) and is_multimodal(model)
-    text = model.config.get_text_config()
-    assert (text.num_attention_heads, text.num_key_value_heads, text.intermediate_size) == (
-        4,
-        2,
-        128,
-    )
-    assert text.vocab_size == len(tokenizer) == len(processor.tokenizer) == 268
-    assert text.max_position_embeddings == 1024
-    media_ids = {processor.tokenizer.convert_tokens_to_ids(t) for t in OMNI_TOKENS.values()}
-    assert media_ids <= set(suppressed_token_ids(model))
-    assert type(processor).__name__ == "Qwen2_5OmniProcessor"
-    # The same init gives the same bytes; a wider decoder keeps the towers tiny.
-    again = build_tiny_model(ModelInitConfig(**OMNI, seed=0), tmp_path / "again")
-    assert (again / "model.safetensors").read_bytes() == (
-        omni_dir / "model.safetensors"
-    ).read_bytes()
-    wide = load_policy(
-        build_tiny_model(ModelInitConfig(**{**OMNI, "hidden_size": 96}), tmp_path / "wide")
-    )[0]
-    assert wide.config.get_text_config().hidden_size == 96
-    assert wide.visual.config.hidden_size == 64
-
-
-def test_text_folders_stay_text(tmp_path: Path) -> None:
-    folder = build_tiny_model(ModelInitConfig(hidden_size=32, num_layers=1), tmp_path / "text")
-    assert not is_multimodal(folder) and load_processor(folder) is None
-    model, _ = load_policy(folder)
-    assert type(model).__name__ == "Qwen2ForCausalLM"
-    assert not is_multimodal(model) and suppressed_token_ids(model) == []
-
-
-def test_a_full_omni_checkpoint_loads_as_its_thinker(omni_dir: Path, tmp_path: Path) -> None:
-    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
-
-    thinker, _ = load_policy(omni_dir)
-    config = Qwen2_5OmniConfig(thinker_config=thinker.config.to_dict(), enable_audio_output=False)
-    full = Qwen2_5OmniForConditionalGeneration(config)
-    full.thinker.load_state_dict(thinker.state_dict())
-    full.save_pretrained(tmp_path)
-    (tmp_path / "tokenizer.json").write_bytes((omni_dir / "tokenizer.json").read_bytes())
-    loaded, _ = load_policy(tmp_path, tokenizer=omni_dir)
-    assert type(loaded) is type(thinker)
-    expected = thinker.state_dict()
-    assert all(torch.equal(v, expected[k]) for k, v in loaded.state_dict().items())
-
-
-def test_collate_mm_inputs() -> None:
-    a = {"pixel_values": torch.ones(4, 3), "image_grid_thw": torch.tensor([[1, 2, 2]])}
-    b = {
-        "input_features": torch.ones(1, 2, 5),
-        "feature_attention_mask": torch.ones(1, 5, dtype=torch.long),
-    }
-    c = {
-        "pixel_values": torch.zeros(8, 3),
-        "image_grid_thw": torch.tensor([[1, 2, 4]]),
-        "input_features": torch.full((2, 2, 3), 2.0),
-        "feature_attention_mask": torch.ones(2, 3, dtype=torch.long),
-    }
-    assert collate_mm_inputs([]) == {} and collate_mm_inputs([None, None]) == {}
-    out = collate_mm_inputs([a, None, b, c, a])
-    assert out["pixel_values"].tolist() == [[1.0] * 3] * 4 + [[0.0] * 3] * 8 + [[1.0] * 3] * 4
-    assert out["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 4], [1, 2, 2]]
-    # Audio frames padded to the longest: features with 0, the mask with 0 (= padding).
-    assert out["input_features"].shape == (3, 2, 5)
-    assert out["feature_attention_mask"].tolist() == [[1] * 5, [1, 1, 1, 0, 0], [1, 1, 1, 0, 0]]
-    assert out["input_features"][1:, :, 3:].abs().sum() == 0
-    with pytest.raises(EngineError, match="cannot be batched"):
-        collate_mm_inputs([a, {"pixel_values": torch.ones(2, 4)}])
-
-
 # --------------------------------------------------------------------------- generation
 
 
@@ -247,7 +141,10 @@ async def test_logprobs_equal_a_training_forward(
 ) -> None:
     ids, mm = _batch(prompts, NAMES)
     gens = await engine.generate(
-        ids, max_new_tokens=16, temperature=temperature, n=n, seed=[1, 2, 3, 4, 5], mm_inputs=mm
+        ids,
+        SamplingParams(max_new_tokens=16, temperature=temperature, n=n),
+        seeds=[1, 2, 3, 4, 5],
+        mm_inputs=mm,
     )
     assert len(gens) == len(NAMES) * n
     banned = set(engine.suppressed_token_ids)
@@ -275,7 +172,9 @@ async def test_suppressed_ids_are_never_sampled_even_when_favoured(
     ids, mm = _batch(prompts, NAMES)
     for temperature in (1.0, 0.0):
         gens = await engine.generate(
-            ids, max_new_tokens=8, temperature=temperature, n=2, seed=0, mm_inputs=mm
+            ids,
+            SamplingParams(max_new_tokens=8, temperature=temperature, n=2, seed=0),
+            mm_inputs=mm,
         )
         for k, gen in enumerate(gens):
             assert not set(banned) & set(gen.response_ids)
@@ -287,10 +186,15 @@ async def test_same_seed_same_samples_whatever_the_batch(
 ) -> None:
     kwargs: dict[str, Any] = {"max_new_tokens": 12, "n": 2}
     ids, mm = _batch(prompts, NAMES)
-    together = await engine.generate(ids, seed=[10, 11, 12, 13, 14], mm_inputs=mm, **kwargs)
+    together = await engine.generate(
+        ids, SamplingParams(**kwargs), seeds=[10, 11, 12, 13, 14], mm_inputs=mm
+    )
     for i, name in enumerate(NAMES):
         alone = await engine.generate(
-            [prompts[name][0]], seed=[10 + i], mm_inputs=[prompts[name][1]], **kwargs
+            [prompts[name][0]],
+            SamplingParams(**kwargs),
+            seeds=[10 + i],
+            mm_inputs=[prompts[name][1]],
         )
         assert [g.response_ids for g in alone] == [
             g.response_ids for g in together[2 * i : 2 * i + 2]
@@ -298,12 +202,14 @@ async def test_same_seed_same_samples_whatever_the_batch(
     # Other neighbours, and one sequence per forward pass: still the same samples.
     narrow = HFEngine.from_pretrained(omni_dir, max_batch_size=1)
     pair = await narrow.generate(
-        [ids[4], ids[0]], seed=[14, 10], mm_inputs=[mm[4], mm[0]], **kwargs
+        [ids[4], ids[0]], SamplingParams(**kwargs), seeds=[14, 10], mm_inputs=[mm[4], mm[0]]
     )
     assert [g.response_ids for g in pair] == [
         g.response_ids for g in together[8:10] + together[0:2]
     ]
-    other = await engine.generate(ids, seed=[20, 21, 22, 23, 24], mm_inputs=mm, **kwargs)
+    other = await engine.generate(
+        ids, SamplingParams(**kwargs), seeds=[20, 21, 22, 23, 24], mm_inputs=mm
+    )
     assert [g.response_ids for g in other] != [g.response_ids for g in together]
 
 
@@ -311,9 +217,13 @@ async def test_stale_rope_state_on_the_model_changes_nothing(
     engine: HFEngine, prompts: dict[str, Prompt], references: dict[int, torch.nn.Module]
 ) -> None:
     ids, mm = _batch(prompts, ["mixed", "video"])
-    first = await engine.generate(ids, max_new_tokens=10, seed=[1, 2], mm_inputs=mm)
+    first = await engine.generate(
+        ids, SamplingParams(max_new_tokens=10), seeds=[1, 2], mm_inputs=mm
+    )
     engine.model.rope_deltas = torch.full((7, 1), 999)  # as if left by someone else's forward
-    again = await engine.generate(ids, max_new_tokens=10, seed=[1, 2], mm_inputs=mm)
+    again = await engine.generate(
+        ids, SamplingParams(max_new_tokens=10), seeds=[1, 2], mm_inputs=mm
+    )
     assert [g.response_ids for g in again] == [g.response_ids for g in first]
     assert all(close(g, references[0], m) for g, m in zip(again, mm, strict=True))
 
@@ -322,10 +232,14 @@ async def test_load_weights_changes_outputs(
     engine: HFEngine, prompts: dict[str, Prompt], references: dict[int, torch.nn.Module]
 ) -> None:
     ids, mm = _batch(prompts, NAMES)
-    before = await engine.generate(ids, max_new_tokens=10, temperature=0, mm_inputs=mm)
+    before = await engine.generate(
+        ids, SamplingParams(max_new_tokens=10, temperature=0), mm_inputs=mm
+    )
     await engine.load_weights(1, references[1].state_dict())
     assert engine.version == 1
-    after = await engine.generate(ids, max_new_tokens=10, temperature=0, mm_inputs=mm)
+    after = await engine.generate(
+        ids, SamplingParams(max_new_tokens=10, temperature=0), mm_inputs=mm
+    )
     assert [g.response_ids for g in before] != [g.response_ids for g in after]
     for gen, media in zip(after, mm, strict=True):
         assert gen.version == 1 and close(gen, references[1], media)
@@ -337,7 +251,9 @@ async def test_interruptible_swap_between_tokens_with_media(
 ) -> None:
     engine = HFEngine.from_pretrained(omni_dir, max_batch_size=16, interruptible=True)
     ids, mm = _batch(prompts, NAMES)
-    task = asyncio.create_task(engine.generate(ids, max_new_tokens=200, n=2, seed=0, mm_inputs=mm))
+    task = asyncio.create_task(
+        engine.generate(ids, SamplingParams(max_new_tokens=200, n=2, seed=0), mm_inputs=mm)
+    )
     await wait_until(lambda: engine._generating, what="the decode loop to run")
     await engine.load_weights(1, references[1].state_dict())
     gens = await task
@@ -349,7 +265,7 @@ async def test_interruptible_swap_between_tokens_with_media(
         assert switch > 0 and versions == [0] * switch + [1] * (200 - switch)
         old = recompute(references[0], gen, mm[k // 2])[:switch]
         assert torch.allclose(torch.tensor(gen.logprobs[:switch]), old, atol=1e-4)
-    after = await engine.generate(ids, max_new_tokens=6, seed=1, mm_inputs=mm)
+    after = await engine.generate(ids, SamplingParams(max_new_tokens=6, seed=1), mm_inputs=mm)
     assert all(
         g.version == 1 and close(g, references[1], m) for g, m in zip(after, mm, strict=True)
     )
@@ -391,15 +307,15 @@ async def test_malformed_media_is_refused_clearly(
 ) -> None:
     for prompt, media, message in _cases(prompts):
         with pytest.raises(EngineError, match=message):
-            await engine.generate([prompt], max_new_tokens=4, mm_inputs=[media])
+            await engine.generate([prompt], SamplingParams(max_new_tokens=4), mm_inputs=[media])
     ids, mm = _batch(prompts, ["image", "audio"])
     with pytest.raises(EngineError, match="one entry"):
-        await engine.generate(ids, max_new_tokens=4, mm_inputs=mm[:1])
+        await engine.generate(ids, SamplingParams(max_new_tokens=4), mm_inputs=mm[:1])
     with pytest.raises(EngineError, match="one entry"):
-        await engine.generate(ids[:1], max_new_tokens=4, mm_inputs=mm[0])
+        await engine.generate(ids[:1], SamplingParams(max_new_tokens=4), mm_inputs=mm[0])
     # Nothing ran, nothing broke.
     assert engine.statistics()["requests"] == 0
-    gens = await engine.generate(ids, max_new_tokens=4, mm_inputs=mm, seed=0)
+    gens = await engine.generate(ids, SamplingParams(max_new_tokens=4, seed=0), mm_inputs=mm)
     assert all(close(g, references[0], m) for g, m in zip(gens, mm, strict=True))
 
 
@@ -407,10 +323,14 @@ async def test_text_model_without_media(tmp_path: Path) -> None:
     folder = build_tiny_model(ModelInitConfig(hidden_size=32, num_layers=1), tmp_path)
     engine = HFEngine.from_pretrained(folder)
     assert not engine.multimodal and engine.suppressed_token_ids == []
-    a = await engine.generate([[257, 104, 105]], max_new_tokens=5, seed=0)
-    b = await engine.generate([[257, 104, 105]], max_new_tokens=5, seed=0, mm_inputs=[None])
+    a = await engine.generate([[257, 104, 105]], SamplingParams(max_new_tokens=5, seed=0))
+    b = await engine.generate(
+        [[257, 104, 105]], SamplingParams(max_new_tokens=5, seed=0), mm_inputs=[None]
+    )
     assert a[0].response_ids == b[0].response_ids and len(a[0].response_ids) == 5
     with pytest.raises(EngineError, match="text-only"):
         await engine.generate(
-            [[257, 104]], max_new_tokens=2, mm_inputs=[{"pixel_values": torch.ones(4, 3)}]
+            [[257, 104]],
+            SamplingParams(max_new_tokens=2),
+            mm_inputs=[{"pixel_values": torch.ones(4, 3)}],
         )

@@ -13,14 +13,8 @@ import pytest
 import torch
 
 from relax.config import ModelInitConfig
-from relax.engines import (
-    EngineError,
-    Generation,
-    HFEngine,
-    TokenEvent,
-    build_tiny_model,
-    load_policy,
-)
+from relax.engines import EngineError, Generation, HFEngine, SamplingParams, TokenEvent
+from relax.models import build_tiny_model, load_policy
 
 pytestmark = pytest.mark.anyio
 
@@ -66,7 +60,7 @@ async def test_top_logprobs_are_the_top_of_the_sampled_distribution(
     engine: HFEngine, reference: torch.nn.Module
 ) -> None:
     gens = await engine.generate(
-        PROMPTS, max_new_tokens=8, temperature=0.7, n=2, seed=3, top_logprobs=5
+        PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.7, n=2, seed=3, top_logprobs=5)
     )
     for gen in gens:
         expected = (raw_logits(reference, gen) / 0.7).log_softmax(-1)
@@ -80,14 +74,16 @@ async def test_top_logprobs_are_the_top_of_the_sampled_distribution(
                 float(expected[t, gen.response_ids[t]]), abs=1e-4
             )
     # Not asked: not recorded.
-    [plain] = await engine.generate(PROMPTS[:1], max_new_tokens=3, seed=3)
+    [plain] = await engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, seed=3))
     assert plain.top_logprobs is None
 
 
 async def test_top_logprobs_leave_out_what_truncation_removed(
     engine: HFEngine, reference: torch.nn.Module
 ) -> None:
-    [gen] = await engine.generate(PROMPTS[:1], max_new_tokens=6, top_k=3, seed=1, top_logprobs=5)
+    [gen] = await engine.generate(
+        PROMPTS[:1], SamplingParams(max_new_tokens=6, top_k=3, seed=1, top_logprobs=5)
+    )
     assert gen.top_logprobs is not None
     for t, top in enumerate(gen.top_logprobs):
         assert len(top) == 3  # only 3 tokens can be drawn: the other two are not "likely"
@@ -100,13 +96,16 @@ async def test_logit_bias_shapes_the_sampled_distribution(
     engine: HFEngine, reference: torch.nn.Module
 ) -> None:
     # A strong bias all but forces token 65 ("A"); -100 bans the model's own favourite.
-    [forced] = await engine.generate(PROMPTS[:1], max_new_tokens=6, seed=0, logit_bias={65: 100.0})
+    [forced] = await engine.generate(
+        PROMPTS[:1], SamplingParams(max_new_tokens=6, seed=0, logit_bias={65: 100.0})
+    )
     assert forced.response_ids == [65] * 6
-    [greedy] = await engine.generate(PROMPTS[:1], max_new_tokens=4, temperature=0)
+    [greedy] = await engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4, temperature=0))
     favourite = greedy.response_ids[0]
     bias = {favourite: -100.0, 66: 3.5}
     gens = await engine.generate(
-        PROMPTS, max_new_tokens=8, temperature=0.9, seed=5, logit_bias=bias, top_logprobs=3
+        PROMPTS,
+        SamplingParams(max_new_tokens=8, temperature=0.9, seed=5, logit_bias=bias, top_logprobs=3),
     )
     for gen in gens:
         logits = raw_logits(reference, gen)
@@ -127,11 +126,13 @@ async def test_presence_and_frequency_penalties(
     presence, frequency = 0.8, 0.6
     gens = await engine.generate(
         PROMPTS,
-        max_new_tokens=12,
-        temperature=1.0,
-        seed=9,
-        presence_penalty=presence,
-        frequency_penalty=frequency,
+        SamplingParams(
+            max_new_tokens=12,
+            temperature=1.0,
+            seed=9,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+        ),
     )
     for gen in gens:
         logits = penalised(raw_logits(reference, gen), gen.response_ids, presence, frequency)
@@ -139,9 +140,9 @@ async def test_presence_and_frequency_penalties(
         assert torch.allclose(torch.tensor(gen.logprobs), want.squeeze(-1), atol=1e-4)
     # Greedy with a large frequency penalty never repeats a token (it always would without:
     # a random tiny model's argmax soon loops).
-    [looping] = await engine.generate(PROMPTS[:1], max_new_tokens=16, temperature=0)
+    [looping] = await engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=16, temperature=0))
     [varied] = await engine.generate(
-        PROMPTS[:1], max_new_tokens=16, temperature=0, frequency_penalty=50.0
+        PROMPTS[:1], SamplingParams(max_new_tokens=16, temperature=0, frequency_penalty=50.0)
     )
     assert len(set(looping.response_ids)) < 16
     assert len(set(varied.response_ids)) == 16
@@ -171,7 +172,9 @@ async def test_streamed_tokens_arrive_while_decoding_and_match_the_result(
     handle = engine.model.register_forward_hook(hold)
     try:
         gens = await engine.generate(
-            PROMPTS, max_new_tokens=40, n=2, seed=4, on_token=on_token, top_logprobs=2
+            PROMPTS,
+            SamplingParams(max_new_tokens=40, n=2, seed=4, top_logprobs=2),
+            on_token=on_token,
         )
     finally:
         handle.remove()
@@ -186,7 +189,9 @@ async def test_streamed_tokens_arrive_while_decoding_and_match_the_result(
     stop = gens[0].response_ids[2]
     events.clear()
     gens = await engine.generate(
-        PROMPTS, max_new_tokens=40, n=2, seed=4, stop_token_ids=[stop], on_token=on_token
+        PROMPTS,
+        SamplingParams(max_new_tokens=40, n=2, seed=4, stop_token_ids=[stop]),
+        on_token=on_token,
     )
     assert gens[0].response_ids[-1] == stop and gens[0].finish_reason == "stop"
     for seq, gen in enumerate(gens):
@@ -195,10 +200,10 @@ async def test_streamed_tokens_arrive_while_decoding_and_match_the_result(
 
 async def test_bad_processed_arguments_are_refused(engine: HFEngine) -> None:
     with pytest.raises(EngineError, match="logit_bias has token ids outside"):
-        await engine.generate(PROMPTS, max_new_tokens=2, logit_bias={512: 1.0})
+        await engine.generate(PROMPTS, SamplingParams(max_new_tokens=2, logit_bias={512: 1.0}))
     with pytest.raises(EngineError, match="presence_penalty must be a finite"):
-        await engine.generate(PROMPTS, max_new_tokens=2, presence_penalty=math.nan)
+        await engine.generate(PROMPTS, SamplingParams(max_new_tokens=2, presence_penalty=math.nan))
     with pytest.raises(EngineError, match="finite biases"):
-        await engine.generate(PROMPTS, max_new_tokens=2, logit_bias={3: math.inf})
+        await engine.generate(PROMPTS, SamplingParams(max_new_tokens=2, logit_bias={3: math.inf}))
     with pytest.raises(EngineError, match="top_logprobs"):
-        await engine.generate(PROMPTS, max_new_tokens=2, top_logprobs=-1)
+        await engine.generate(PROMPTS, SamplingParams(max_new_tokens=2, top_logprobs=-1))

@@ -27,6 +27,7 @@ from relax.media._process import (
     mm_from_wire,
     process_prompt,
 )
+from relax.models import build_tiny_omni_model, load_omni_processor, omni_processor
 from relax.transport import RawTensor, dumps, loads
 
 LIMITS = MediaLimits(max_pixels=112 * 112, max_frames=8, video_fps=2.0, max_audio_seconds=4.0)
@@ -34,21 +35,9 @@ MERGE = 4  # 2x2 patches per placeholder token
 IMAGE_ID, AUDIO_ID, VIDEO_ID = 266, 261, 267
 
 
-def _omni(name: str) -> Any:
-    """A name of the tiny omni model's module, wherever it lives (relax.media exports it)."""
-    try:
-        import relax.media
-
-        return getattr(relax.media, name)
-    except (ImportError, AttributeError):  # the module is moving to relax.engines
-        import relax.engines._omni
-
-        return getattr(relax.engines._omni, name)
-
-
 @pytest.fixture(scope="module")
 def processor() -> Any:
-    return _omni("omni_processor")()
+    return omni_processor()
 
 
 def _user(*parts: dict[str, Any]) -> list[dict[str, Any]]:
@@ -324,8 +313,8 @@ def test_every_item_is_decoded_once(processor: Any, monkeypatch: pytest.MonkeyPa
 def test_the_tiny_model_takes_the_inputs_as_they_are(tmp_path: Path) -> None:
     from transformers import Qwen2_5OmniThinkerForConditionalGeneration
 
-    folder = _omni("build_tiny_omni_model")(tmp_path / "omni")
-    processor = _omni("load_omni_processor")(folder)
+    folder = build_tiny_omni_model(tmp_path / "omni")
+    processor = load_omni_processor(folder)
     model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(folder).eval()
     prompt = _user(
         {"type": "image", "image": _image()},
@@ -346,8 +335,8 @@ def test_audio_features_are_cut_to_the_frames_used_without_changing_the_model(
 ) -> None:
     from transformers import Qwen2_5OmniThinkerForConditionalGeneration
 
-    folder = _omni("build_tiny_omni_model")(tmp_path / "omni")
-    processor = _omni("load_omni_processor")(folder)
+    folder = build_tiny_omni_model(tmp_path / "omni")
+    processor = load_omni_processor(folder)
     model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(folder).eval()
     clip = {"array": _audio(1.0), "sampling_rate": 16_000}
     out = process_prompt(processor, _user({"type": "audio", "audio": clip}), LIMITS, item="t")

@@ -12,6 +12,7 @@ import pytest
 
 from relax.media import PALETTE, MediaError, MediaLimits, recipes
 from relax.media._process import has_media, process_prompt
+from relax.models import omni_processor
 
 RECIPES = {
     "shape_colors": recipes.shape_colors,
@@ -25,10 +26,6 @@ RECIPES = {
 
 @pytest.fixture(scope="module")
 def processor() -> Any:
-    try:
-        from relax.media import omni_processor
-    except ImportError:  # the tiny omni module is moving to relax.engines
-        from relax.engines._omni import omni_processor
     return omni_processor()
 
 

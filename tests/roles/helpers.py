@@ -8,22 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from relax.actors import ChildSpec, InProc, Supervisor
-from relax.bus import BusService
+from relax.bus import BusClient, BusService
 from relax.cluster import plain_config
-from relax.config import ModelInitConfig, parse_config
-from relax.engines import build_tiny_model
+from relax.config import parse_config
+from relax.models import build_tiny_model
 from tests.tiny import MODEL_INIT
 
 _names = itertools.count()
 
-INIT = ModelInitConfig(
-    hidden_size=32,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    intermediate_size=64,
-    vocab_size=261,
-)
+INIT = parse_config(MODEL_INIT).model.init
+"""The tiny policy of the whole-cluster tests (``tests.tiny``), as its ``[model.init]`` table."""
+assert INIT is not None
 
 
 def tiny_model(tmp_path: Path) -> Path:
@@ -66,6 +61,20 @@ def sample_rows(n: int, *, seed: int = 0, group_size: int = 2, **columns: Any) -
             }
         )
     return rows
+
+
+async def take_written(
+    client: BusClient, column: str, count: int, *, writer: str
+) -> dict[str, list[float]]:
+    """``column`` of ``count`` rows, taken under task ``"train"`` as ``writer`` (a role under
+    test) writes it: ``{uid: values}``. Fails when a 30 s wait brings no row."""
+    got: dict[str, list[float]] = {}
+    while len(got) < count:
+        async with client.take("train", batch_size=16, columns=[column], wait=30.0) as batch:
+            assert batch.rows, f"{writer} wrote no {column} within 30 s"
+            for r in batch.rows:
+                got[r["uid"]] = list(r["columns"][column])
+    return got
 
 
 async def start(children: list[ChildSpec]) -> Supervisor:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 
-import anyio
 import pytest
 import torch
 
@@ -21,7 +20,8 @@ from relax.training._value import (
     critic_token_rewards,
     value_forward,
 )
-from tests.roles.helpers import bus_spec, config, sample_rows, start, tiny_model
+from tests.polling import wait_until
+from tests.roles.helpers import bus_spec, config, sample_rows, start, take_written, tiny_model
 
 pytestmark = pytest.mark.anyio
 
@@ -225,14 +225,7 @@ async def test_the_role_writes_values_then_learns_and_resumes(tmp_path) -> None:
     try:
         async with await BusClient.connect(url) as client:
             await client.put(rows)
-            got: dict[str, list[float]] = {}
-            while len(got) < 8:
-                async with client.take(
-                    "train", batch_size=16, columns=["values"], wait=30.0
-                ) as batch:
-                    assert batch.rows, "the critic wrote no values within 30 s"
-                    for r in batch.rows:
-                        got[r["uid"]] = list(r["columns"]["values"])
+            got = await take_written(client, "values", 8, writer="the critic")
             assert "late/0" not in got
             for row in rows[:8]:
                 assert len(got[row["uid"]]) == len(row["columns"]["response_ids"])
@@ -240,12 +233,13 @@ async def test_the_role_writes_values_then_learns_and_resumes(tmp_path) -> None:
             async with client.take("train", batch_size=1, columns=["values"], wait=30.0) as b:
                 assert [r["uid"] for r in b.rows] == ["late/0"]
                 assert len(b.rows[0]["columns"]["values"]) == 2
-            # Acked once trained on: all nine rows (the empty response is skipped in training).
-            for _ in range(600):
+
+            async def all_acked() -> bool:
                 stats = await client.statistics()
-                if stats["counters"].get("acked_critic", 0) >= 9:
-                    break
-                await anyio.sleep(0.05)
+                return stats["counters"].get("acked_critic", 0) >= 9
+
+            # Acked once trained on: all nine rows (the empty response is skipped in training).
+            await wait_until(all_acked, 30, "the critic to ack all nine rows", interval=0.05)
             history = await sup.ref("critic-0").call("metrics")
             assert sum(h["rows"] for h in history) == 8
             updates = (await sup.ref("critic-0").call("statistics"))["updates"]

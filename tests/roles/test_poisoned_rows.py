@@ -6,8 +6,6 @@ have left them: as put records in the bus log, which the bus replays when it sta
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ from relax.roles._reward import RewardRole
 from relax.roles._rollout import RolloutRole
 from relax.roles._trainer import TrainerRole
 from relax.transport import dumps
+from tests.polling import wait_until
 from tests.roles.helpers import bus_spec, config, sample_rows, start, tiny_model
 
 pytestmark = pytest.mark.anyio
@@ -32,16 +31,6 @@ def plant(run_dir: Path, rows: list[dict[str, Any]]) -> None:
     log = SegmentLog(run_dir / "bus-log")
     log.append_many([dumps({"op": "put", "rows": rows})])
     log.close()
-
-
-async def until(check: Any, what: str, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = await check()
-        if value:
-            return value
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def restarts(snapshot: dict[str, Any], child: str) -> int:
@@ -71,7 +60,7 @@ async def test_the_reward_role_drops_a_row_with_string_response_ids(tmp_path: Pa
                     await client.ack(batch)
                 return batch.rows
 
-            got = await until(rewarded, "rewards of the good group")
+            got = await wait_until(rewarded, 60.0, "rewards of the good group", interval=0.2)
             stats = await client.statistics()
         assert sorted(r["uid"] for r in got) == ["g0/0", "g0/1"]
         assert stats["counters"][f"dropped_{BAD_COLUMNS}"] == 2  # the poisoned group, counted
@@ -107,7 +96,7 @@ async def test_the_trainer_drops_a_group_whose_reward_is_not_a_number(tmp_path: 
                 stats = await client.statistics()
                 return stats if stats["trainer_version"] >= 1 else None
 
-            stats = await until(trained, "one training step")
+            stats = await wait_until(trained, 60.0, "one training step", interval=0.2)
         assert stats["counters"][f"dropped_{BAD_COLUMNS}"] == 2
         assert stats["counters"]["trained"] == 4  # g0 and g2: the good groups were trained
         assert restarts(await sup.snapshot(), "trainer") == 0
@@ -170,7 +159,7 @@ async def test_the_rollout_drops_a_prompt_whose_prompt_ids_are_text(tmp_path: Pa
                 stats = await sample_bus.statistics()
                 return stats if stats["rows"] >= 2 else None
 
-            await until(generated, "the good prompt's samples")
+            await wait_until(generated, 60.0, "the good prompt's samples", interval=0.2)
             batch = await sample_bus.take_batch("reward", batch_size=8, wait=1)
             stats = await prompt_bus.statistics()
         assert sorted(r["uid"] for r in batch.rows) == ["p1/0", "p1/1"]
@@ -236,7 +225,7 @@ async def test_the_reference_and_the_critic_drop_a_poisoned_group(
                     await client.ack(batch)
                 return batch.rows
 
-            got = await until(scored, f"{written} of the good groups")
+            got = await wait_until(scored, 60.0, f"{written} of the good groups", interval=0.2)
             stats = await client.statistics()
         assert sorted(r["uid"] for r in got) == ["g0/0", "g0/1", "g2/0", "g2/1"]
         assert stats["counters"][f"dropped_{BAD_COLUMNS}"] == 2  # the poisoned group, counted

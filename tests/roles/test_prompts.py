@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from relax.engines import build_byte_tokenizer
 from relax.errors import ConfigError
+from relax.models import build_byte_tokenizer
 from relax.roles._prompts import file_prompts, prompt_row, prompt_stream
 
 RECORDS = [{"id": f"q{i}", "question": f"{i}+1=", "solution": i + 1} for i in range(5)]

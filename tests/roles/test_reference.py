@@ -9,11 +9,11 @@ import torch
 
 from relax.actors import ChildSpec, InProc
 from relax.bus import BusClient
-from relax.engines import load_policy
+from relax.models import load_policy
 from relax.roles import ReferenceRole
 from relax.roles._reference import reference_logprobs
 from relax.training import pack_batch, response_values, sequence_logprobs
-from tests.roles.helpers import bus_spec, config, sample_rows, start, tiny_model
+from tests.roles.helpers import bus_spec, config, sample_rows, start, take_written, tiny_model
 
 pytestmark = pytest.mark.anyio
 
@@ -72,14 +72,7 @@ async def test_the_role_writes_ref_logprobs_for_every_row(tmp_path) -> None:
     try:
         async with await BusClient.connect(url) as client:
             await client.put(rows)
-            got: dict[str, list[float]] = {}
-            while len(got) < len(rows):
-                async with client.take(
-                    "train", batch_size=16, columns=["ref_logprobs"], wait=30.0
-                ) as batch:
-                    assert batch.rows, "the reference role wrote nothing within 30 s"
-                    for r in batch.rows:
-                        got[r["uid"]] = list(r["columns"]["ref_logprobs"])
+            got = await take_written(client, "ref_logprobs", len(rows), writer="the reference role")
         stats = await sup.ref("reference-0").call("statistics")
         assert stats["scored"] == len(rows)
     finally:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from relax.engines import build_byte_tokenizer
 from relax.errors import RewardFailing, Unrecoverable
+from relax.models import build_byte_tokenizer
 from relax.rewards import RewardResult
 from relax.roles._prompts import file_prompts, prompt_row
 from relax.roles._reward import (

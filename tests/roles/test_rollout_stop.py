@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from relax.config import parse_config
-from relax.engines import Generation, GenerationEngine
-from relax.engines._models import build_byte_tokenizer
+from relax.engines import Generation, GenerationEngine, SamplingParams
+from relax.models import build_byte_tokenizer
 from relax.roles._rollout import generate_groups
 from tests.tiny import tiny_toml
 
@@ -26,7 +26,8 @@ class Scripted(GenerationEngine):
     def version(self) -> int:
         return 3
 
-    async def generate(self, prompts: Any, *, n: int = 1, **_: Any) -> list[Generation]:
+    async def generate(self, prompts: Any, params: SamplingParams, **_: Any) -> list[Generation]:
+        n = params.n
         return [
             Generation(
                 list(p),

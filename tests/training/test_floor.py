@@ -13,12 +13,13 @@ ALLOWED_LIBS = {"torch", "transformers", "safetensors", "deepspeed"}
 ALLOWED_RELAX = (
     "relax.algos",
     "relax.errors",
-    "relax.runfiles",  # standard library only: the gang's rendezvous folder
+    "relax.schema",  # standard library only: the column names rows are read by
+    "relax.transport",  # the gang's torch.distributed world and the bytes its ranks exchange
     "relax.config",
     "relax.training",
-    # Engines share this floor; training needs exactly what generation did with media (how a
-    # batch's media collate, which ids the sampler never draws), so it uses the same code.
-    "relax.engines._multimodal",
+    # Below this floor; training needs exactly what generation does with media (how a batch's
+    # media collate, which ids the sampler never draws), so both use this same code.
+    "relax.models",
 )
 
 

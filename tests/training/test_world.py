@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import socket
 import torch.distributed as dist
-from relax.training._deepspeed import init_world
+from relax.transport import init_world
 
 binds = []
 real_bind = socket.socket.bind
@@ -59,7 +59,7 @@ class WorldMember(Actor):
     """A gang member that joins the world as the trainer does and sums its ranks."""
 
     async def on_start(self) -> None:
-        from relax.training._deepspeed import init_world
+        from relax.transport import init_world
 
         await asyncio.to_thread(init_world)  # off the loop: heartbeats go on meanwhile
 

@@ -1,15 +1,14 @@
-"""Tiny models and offline tokenizers: everything a cluster needs without a model hub.
+"""Offline tokenizers: the byte tokenizer, loading any local one, and the ids a model needs.
 
 - ``build_byte_tokenizer()``: a byte-level tokenizer (token id == byte value for the 256 bytes,
   then a few specials) with a small ChatML-style chat template. It round-trips any UTF-8 text
   exactly, needs no training and no download.
-- ``build_tiny_model(init, directory)``: a seeded, randomly initialised Qwen2 or Llama causal LM
-  from ``[model.init]``, saved with ``save_pretrained`` next to the byte tokenizer, so the folder
-  is an ordinary Hugging Face checkpoint (loadable by ``from_pretrained`` and by vLLM).
-  ``arch = "qwen2_5_omni"`` builds a tiny Qwen2.5-Omni thinker and its processor instead.
-- ``load_policy(path, dtype)`` / ``load_tokenizer(path)``: load any local HF model folder — the
-  tiny one takes exactly the same path as a real checkpoint (a multimodal one too;
-  ``load_processor`` gives its processor).
+- ``load_tokenizer(path)``: load a local tokenizer folder (or the byte tokenizer for ``"byte"``),
+  robust to transformers picking a class that splits text unlike the saved ``tokenizer.json``.
+- ``stop_token_ids`` / ``pad_token_id`` / ``check_vocab``: the ids generation stops at and pads
+  with, and whether a model's embedding holds every token id.
+
+The tiny models (``relax.models._tiny``, ``relax.models._omni``) build on these tokenizers.
 """
 
 from __future__ import annotations
@@ -19,23 +18,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    LlamaConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-)
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from relax.config import ModelInitConfig
-from relax.engines._base import EngineError
-from relax.engines._multimodal import policy_class
-from relax.errors import ConfigError, ConfigIssue
+from relax.errors import ConfigError, ConfigIssue, EngineError
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +58,6 @@ _PROBE = "  Hello,world! 12+345=357\n\té e\u0301 \ufb01 中文 🙂 <|im_end|>x
 
 # Saved ``tokenizer_class`` values that mean "tokenizer.json is the whole tokenizer".
 _FILE_ONLY_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # --------------------------------------------------------------------------- tokenizers
@@ -182,29 +166,6 @@ def load_tokenizer(
     return tokenizer
 
 
-# --------------------------------------------------------------------------- models
-
-
-def _model_config(init: ModelInitConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
-    common: dict[str, Any] = {
-        "vocab_size": init.vocab_size,
-        "hidden_size": init.hidden_size,
-        "num_hidden_layers": init.num_layers,
-        "num_attention_heads": init.num_heads,
-        "num_key_value_heads": init.num_kv_heads,
-        "intermediate_size": init.intermediate_size,
-        "max_position_embeddings": init.max_position_embeddings,
-        "pad_token_id": tokenizer.pad_token_id,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        # Untied: the RL update of the output head should not move the input embeddings too.
-        "tie_word_embeddings": False,
-    }
-    if init.arch == "qwen2":
-        return Qwen2Config(**common)
-    return LlamaConfig(**common)
-
-
 def check_vocab(
     vocab_size: int, tokenizer: PreTrainedTokenizerBase, *, key: str = "model.init.vocab_size"
 ) -> None:
@@ -220,98 +181,6 @@ def check_vocab(
                 )
             ]
         )
-
-
-def build_tiny_model(
-    init: ModelInitConfig,
-    directory: str | Path,
-    tokenizer: PreTrainedTokenizerBase | None = None,
-) -> Path:
-    """Build a seeded random-init causal LM from ``[model.init]`` and save it to ``directory``.
-
-    The folder holds ``config.json``, ``generation_config.json``, safetensors weights and the
-    tokenizer (the byte tokenizer unless one is given), so ``load_policy`` — and vLLM — load it
-    like any checkpoint. The same ``init`` (seed included) always gives the same weights, and
-    the global torch RNG is left untouched.
-
-    ``arch = "qwen2_5_omni"`` builds a Qwen2.5-Omni thinker instead (text decoder of these sizes,
-    tiny vision and audio towers; vocabulary = its tokenizer's, ``vocab_size`` unused) and saves
-    its processor too (see ``relax.engines._omni``); ``load_processor`` loads it.
-    """
-    if init.arch == "qwen2_5_omni":
-        if tokenizer is not None:
-            raise ConfigError(
-                [
-                    ConfigIssue(
-                        "model.tokenizer",
-                        "cannot be set with model.init.arch = 'qwen2_5_omni', which builds its"
-                        " own tokenizer (the byte tokenizer plus the media tokens)",
-                    )
-                ]
-            )
-        from relax.engines._omni import build_tiny_omni
-
-        return build_tiny_omni(init, directory)
-    tokenizer = (
-        tokenizer if tokenizer is not None else build_byte_tokenizer(init.max_position_embeddings)
-    )
-    check_vocab(init.vocab_size, tokenizer)
-    config = _model_config(init, tokenizer)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(init.seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=stop_token_ids(tokenizer),
-    )
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"float32"``/``"bfloat16"``/``"float16"`` (the config's ``Dtype``) as a torch dtype."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return _DTYPES[dtype]
-    except KeyError:
-        raise ConfigError([ConfigIssue("model.dtype", f"unknown dtype {dtype!r}")]) from None
-
-
-def load_policy(
-    path: str | Path,
-    dtype: str | torch.dtype = "float32",
-    *,
-    tokenizer: str | Path | None = None,
-    trust_remote_code: bool = False,
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a local HF causal-LM folder and its tokenizer, in eval mode.
-
-    A multimodal folder loads with the class its ``config.json`` names (an omni checkpoint as its
-    text thinker; see ``policy_class``); its processor comes from ``load_processor``.
-
-    ``tokenizer`` overrides where the tokenizer comes from (a folder or ``"byte"``); by default
-    it is the model folder. Raises ``ConfigError`` when the folder is missing or the model's
-    vocabulary cannot hold the tokenizer's ids.
-    """
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise ConfigError(
-            [ConfigIssue("model.path", f"{str(folder)!r} is not a model folder (no config.json)")]
-        )
-    tok = load_tokenizer(
-        tokenizer if tokenizer is not None else folder, trust_remote_code=trust_remote_code
-    )
-    model = policy_class(folder).from_pretrained(
-        folder, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
-    )
-    check_vocab(model.get_input_embeddings().num_embeddings, tok, key="model.path")
-    model.eval()
-    return model, tok
 
 
 def pad_token_id(tokenizer: Any, source: object = "the model") -> int:

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from relax.engines._base import EngineError
-from relax.errors import ConfigError, ConfigIssue
+from relax.errors import ConfigError, ConfigIssue, EngineError
+from relax.models._video_processor import enable_video_without_torchvision
 
 _PADDED_FRAMES = {"input_features": 0.0, "feature_attention_mask": 0}
 """Keys whose last axis (audio frames) may differ between prompts: padded to the longest, with
@@ -157,8 +157,6 @@ def load_processor(path: str | Path, *, trust_remote_code: bool = False) -> Any 
     if not is_multimodal(path):
         return None
     from transformers import AutoProcessor
-
-    from relax.engines._video_processor import enable_video_without_torchvision
 
     folder = Path(path)
     names = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from transformers import Qwen2VLImageProcessorPil
 
-from relax.media import NumpyQwen2VLVideoProcessor, enable_video_without_torchvision
+from relax.models import NumpyQwen2VLVideoProcessor, enable_video_without_torchvision
 
 PIXELS = {"min_pixels": 56 * 56, "max_pixels": 112 * 112}
 

@@ -5,13 +5,13 @@ saves a Qwen2.5-Omni *thinker* (``Qwen2_5OmniThinkerForConditionalGeneration``: 
 audio tower, text decoder; no talker / speech output) with one vision block and one audio layer
 (``TOWER_WIDTH`` wide) and a text decoder sized by ``[model.init]``, next to its processor:
 
-- tokenizer: the byte tokenizer (``relax.engines._models.build_byte_tokenizer``) plus the seven
+- tokenizer: the byte tokenizer (``relax.models._tokenizers.build_byte_tokenizer``) plus the seven
   Qwen2.5-Omni media tokens (ids 261-267), named on the tokenizer as the processor expects
   (``image_token``, ``audio_bos_token``, ...), with an omni ChatML chat template;
 - image processor: ``Qwen2VLImageProcessorPil`` (Pillow; no torchvision);
 - feature extractor: ``WhisperFeatureExtractor`` (NumPy; 128 mel bins, 16 kHz);
 - video processor: ``NumpyQwen2VLVideoProcessor`` (saved as ``Qwen2VLVideoProcessor``; see
-  ``relax.engines._video_processor``).
+  ``relax.models._video_processor``).
 
 The folder loads like a real checkpoint: ``load_processor(folder)`` (=
 ``AutoProcessor.from_pretrained`` after ``enable_video_without_torchvision()``) and
@@ -39,13 +39,12 @@ from transformers import (
 )
 
 from relax.config import ModelInitConfig
-from relax.engines._models import BOS, EOS, PAD, build_byte_tokenizer, stop_token_ids
-from relax.engines._multimodal import processor_kwargs
-from relax.engines._video_processor import (
+from relax.errors import ConfigError, ConfigIssue
+from relax.models._tokenizers import BOS, EOS, PAD, build_byte_tokenizer, stop_token_ids
+from relax.models._video_processor import (
     NumpyQwen2VLVideoProcessor,
     enable_video_without_torchvision,
 )
-from relax.errors import ConfigError, ConfigIssue
 
 __all__ = [
     "OMNI_AUDIO_SECONDS",
@@ -58,7 +57,6 @@ __all__ = [
     "load_omni_processor",
     "media_token_ids",
     "omni_processor",
-    "processor_kwargs",
     "tiny_omni_config",
 ]
 

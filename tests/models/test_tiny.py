@@ -9,14 +9,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from relax.config import ModelInitConfig
-from relax.engines import (
+from relax.errors import ConfigError
+from relax.models import (
     build_byte_tokenizer,
     build_tiny_model,
     check_vocab,
     load_policy,
     torch_dtype,
 )
-from relax.errors import ConfigError
 
 TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 512}
 """The tiny model of every engine test: 2 layers, hidden 64, vocab 512."""
@@ -94,7 +94,7 @@ def test_load_policy_rejects_a_non_model_folder(tmp_path: Path) -> None:
 def test_pad_token_id_falls_back_to_eos_and_refuses_neither() -> None:
     from types import SimpleNamespace
 
-    from relax.engines import EngineError, pad_token_id
+    from relax.models import EngineError, pad_token_id
 
     assert pad_token_id(SimpleNamespace(pad_token_id=3, eos_token_id=7)) == 3
     assert pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=7)) == 7

@@ -10,14 +10,14 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from relax.config import ModelInitConfig
-from relax.engines import (
+from relax.errors import ConfigError
+from relax.models import (
     SPECIAL_TOKENS,
     build_byte_tokenizer,
     build_tiny_model,
     load_tokenizer,
     stop_token_ids,
 )
-from relax.errors import ConfigError
 
 TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 512}
 """The tiny model of every engine test: 2 layers, hidden 64, vocab 512."""

@@ -16,16 +16,18 @@ from transformers import AutoModelForImageTextToText, Qwen2_5OmniThinkerForCondi
 
 from relax.media import (
     MediaLimits,
-    build_tiny_omni_model,
     draw_shapes,
     load_audio,
     load_image,
-    load_omni_processor,
     load_video_clip,
-    media_token_ids,
     moving_square,
-    processor_kwargs,
     tones,
+)
+from relax.models import (
+    build_tiny_omni_model,
+    load_omni_processor,
+    media_token_ids,
+    processor_kwargs,
 )
 
 LIMITS = MediaLimits(max_pixels=128 * 128, max_frames=8, video_fps=4.0, max_audio_seconds=4.0)

@@ -1,0 +1,93 @@
+"""Models, tokenizers and processors: building tiny ones offline, loading any local one, and
+batching a prompt's media the one way generation and training both use.
+
+    init = ModelInitConfig(arch="qwen2", hidden_size=64, num_layers=2, vocab_size=512)
+    folder = build_tiny_model(init, "runs/model")      # a normal HF folder, tokenizer included
+    model, tokenizer = load_policy(folder, "float32")   # the same call for a real checkpoint
+    stop = stop_token_ids(tokenizer)                    # EOS and the chat end-of-turn
+
+Multimodal (``ModelInitConfig(arch="qwen2_5_omni")`` or a Qwen2.5-Omni/-VL folder):
+``load_processor(folder)`` turns text + media into ``input_ids`` and media tensors
+(``processor_kwargs`` keeps its saved video size); ``collate_mm_inputs`` batches several
+prompts' media for one forward; ``suppressed_token_ids(model)`` are the ids a policy never
+samples (the media placeholders), masked by the engine and the trainer alike; ``MediaSpec``
+checks a prompt's placeholders against its media. ``build_tiny_omni_model`` / ``omni_processor``
+build the tiny Qwen2.5-Omni thinker and its offline processor directly;
+``enable_video_without_torchvision`` lets ``AutoProcessor`` load video processors without
+torchvision.
+
+Generation lives in ``relax.engines``, which loads its models through this package. This
+package imports torch, transformers, tokenizers, NumPy, Pillow and ``relax.errors`` /
+``relax.config`` only.
+"""
+
+from __future__ import annotations
+
+from relax.errors import EngineError
+from relax.models._multimodal import (
+    MediaSpec,
+    collate_mm_inputs,
+    is_multimodal,
+    load_processor,
+    processor_kwargs,
+    reset_rope_deltas,
+    rope_deltas,
+    suppressed_token_ids,
+    uses_mrope,
+)
+from relax.models._omni import (
+    OMNI_TOKENS,
+    build_omni_tokenizer,
+    build_tiny_omni_model,
+    load_omni_processor,
+    media_token_ids,
+    omni_processor,
+)
+from relax.models._policy import load_policy, torch_dtype
+from relax.models._tiny import build_tiny_model
+from relax.models._tokenizers import (
+    BYTE_TOKENIZER,
+    CHAT_TEMPLATE,
+    SPECIAL_TOKENS,
+    build_byte_tokenizer,
+    check_vocab,
+    load_tokenizer,
+    pad_token_id,
+    stop_token_ids,
+)
+from relax.models._video_processor import (
+    NumpyQwen2VLVideoProcessor,
+    enable_video_without_torchvision,
+)
+
+__all__ = [
+    "BYTE_TOKENIZER",
+    "CHAT_TEMPLATE",
+    "OMNI_TOKENS",
+    "SPECIAL_TOKENS",
+    "EngineError",
+    "MediaSpec",
+    "NumpyQwen2VLVideoProcessor",
+    "build_byte_tokenizer",
+    "build_omni_tokenizer",
+    "build_tiny_model",
+    "build_tiny_omni_model",
+    "check_vocab",
+    "collate_mm_inputs",
+    "enable_video_without_torchvision",
+    "is_multimodal",
+    "load_omni_processor",
+    "load_policy",
+    "load_processor",
+    "load_tokenizer",
+    "media_token_ids",
+    "omni_processor",
+    "pad_token_id",
+    "processor_kwargs",
+    "reset_rope_deltas",
+    "rope_deltas",
+    "stop_token_ids",
+    "suppressed_token_ids",
+    "torch_dtype",
+    "uses_mrope",
+]

@@ -1,0 +1,121 @@
+"""The plain data every floor of Relax exchanges, named once (standard library only, so every
+floor may import it):
+
+- column names (``RESPONSE_IDS``, ``MM_INPUTS``, ...; ``COLUMN_NAMES``): the columns roles
+  write on the sample bus (their types are ``relax.bus.SCHEMA``'s);
+- bus shapes: ``NewRow`` (a put), ``TakenRow`` / ``TakeReply`` (a take), and every op the bus
+  table applies and logs (``Op``, one ``TypedDict`` per ``OpKind``);
+- status shapes: ``StatusSnapshot`` (the control endpoint's status) with its ``TreeSnapshot``,
+  ``ChildSnapshot``, ``BusStatistics``, ``TaskCounts``, ``TrainerInfo``, and ``MetricRecord``
+  (one line of ``metrics.jsonl``);
+- ``Staleness``: the staleness bound as one immutable value, from the config through the bus
+  to the exporter (``Staleness.parse``; its wire form stays ``k`` or ``"inf"``).
+"""
+
+from relax.schema._bus import (
+    OP_KINDS,
+    AckOp,
+    AdmitOp,
+    ColumnsOp,
+    CommitOp,
+    CountOp,
+    DropOp,
+    ExpireOp,
+    Items,
+    LeaseOp,
+    NewRow,
+    Op,
+    OpKind,
+    PutOp,
+    ReleaseOp,
+    StateOp,
+    TakenRow,
+    TakeReply,
+    UnadmitOp,
+    VersionOp,
+)
+from relax.schema._columns import (
+    COLUMN_NAMES,
+    EPISODE_END,
+    EPISODE_REASON,
+    LOGPROBS,
+    LOSS_MASK,
+    MEDIA_TOKENS,
+    MM_INPUTS,
+    PROMPT_IDS,
+    REF_LOGPROBS,
+    RESPONSE_IDS,
+    REWARD,
+    SESSION,
+    SUCCESS,
+    TEXT,
+    TOKEN_VERSIONS,
+    TURNS,
+    VALUES,
+)
+from relax.schema._staleness import INF, UNBOUNDED, Staleness, StalenessWire, staleness_problem
+from relax.schema._status import (
+    BusStatistics,
+    ChildSnapshot,
+    CrashInfo,
+    MetricRecord,
+    StatusSnapshot,
+    TaskCounts,
+    TrainerInfo,
+    TreeSnapshot,
+    WeightsStatistics,
+)
+
+__all__ = [
+    "COLUMN_NAMES",
+    "EPISODE_END",
+    "EPISODE_REASON",
+    "INF",
+    "LOGPROBS",
+    "LOSS_MASK",
+    "MEDIA_TOKENS",
+    "MM_INPUTS",
+    "OP_KINDS",
+    "PROMPT_IDS",
+    "REF_LOGPROBS",
+    "RESPONSE_IDS",
+    "REWARD",
+    "SESSION",
+    "SUCCESS",
+    "TEXT",
+    "TOKEN_VERSIONS",
+    "TURNS",
+    "UNBOUNDED",
+    "VALUES",
+    "AckOp",
+    "AdmitOp",
+    "BusStatistics",
+    "ChildSnapshot",
+    "ColumnsOp",
+    "CommitOp",
+    "CountOp",
+    "CrashInfo",
+    "DropOp",
+    "ExpireOp",
+    "Items",
+    "LeaseOp",
+    "MetricRecord",
+    "NewRow",
+    "Op",
+    "OpKind",
+    "PutOp",
+    "ReleaseOp",
+    "Staleness",
+    "StalenessWire",
+    "StateOp",
+    "StatusSnapshot",
+    "TakeReply",
+    "TakenRow",
+    "TaskCounts",
+    "TrainerInfo",
+    "TreeSnapshot",
+    "UnadmitOp",
+    "VersionOp",
+    "WeightsStatistics",
+    "staleness_problem",
+]

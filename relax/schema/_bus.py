@@ -1,0 +1,192 @@
+"""The bus's plain-data shapes: a row as producers put it and consumers take it, and every
+operation the bus table applies and logs.
+
+All of them are ``TypedDict``s: they are the dicts that go over msgpack and into the bus log
+unchanged (a restarted bus replays logs written before these types existed), so the types name
+the keys without changing the wire. Ops are applied by ``relax.bus.BusTable`` through one
+table from ``OpKind`` to handler.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any, Literal, TypedDict
+
+# ---------------------------------------------------------------------------- rows
+
+
+class _RowKeys(TypedDict):
+    uid: str
+    """Unique and stable across retries (a retried put of it is ignored)."""
+    group: str
+    """The prompt's id: the ``group_size`` rows of one prompt make a group."""
+    version: int
+    """The policy version that generated it (the oldest, when a generation spans updates)."""
+
+
+class NewRow(_RowKeys, total=False):
+    """A row as a producer puts it."""
+
+    group_size: int
+    """Rows the group will hold (1 when left out)."""
+    columns: dict[str, Any]
+    """Named columns (see ``relax.schema`` column names), each written once."""
+
+
+class TakenRow(_RowKeys):
+    """A row as a lease hands it out."""
+
+    attempt: int
+    """Which lease of this row this is: an ack quotes it back."""
+    columns: dict[str, Any]
+
+
+class TakeReply(TypedDict):
+    """What a granted ``take`` answers."""
+
+    lease: int
+    task: str
+    trainer_version: int
+    rows: list[TakenRow]
+
+
+# ---------------------------------------------------------------------------- operations
+
+OpKind = Literal[
+    "put",
+    "columns",
+    "lease",
+    "ack",
+    "release",
+    "expire",
+    "drop",
+    "admit",
+    "unadmit",
+    "version",
+    "count",
+    "commit",
+    "state",
+]
+OP_KINDS: tuple[str, ...] = typing.get_args(OpKind)
+"""Every kind of op the bus table applies (and its log holds)."""
+
+Items = list[list[Any]]
+"""``[uid, attempt]`` pairs (lists: that is what msgpack gives back)."""
+
+
+class PutOp(TypedDict):
+    op: Literal["put"]
+    rows: list[NewRow]
+
+
+class ColumnsOp(TypedDict):
+    op: Literal["columns"]
+    uid: str
+    columns: dict[str, Any]
+
+
+class LeaseOp(TypedDict):
+    op: Literal["lease"]
+    id: int
+    task: str
+    holder: str
+    deadline: float
+    items: Items
+
+
+class AckOp(TypedDict):
+    op: Literal["ack"]
+    task: str
+    items: Items
+
+
+class ReleaseOp(TypedDict):
+    op: Literal["release"]
+    task: str
+    items: Items
+
+
+class ExpireOp(TypedDict):
+    op: Literal["expire"]
+    id: int
+    """The lease whose holder went silent."""
+
+
+class DropOp(TypedDict):
+    op: Literal["drop"]
+    uids: list[str]
+    groups: list[str]
+    """Whole groups go: rows of them that arrive later are dropped too."""
+    reason: str
+    """``stale``, ``oversized`` or a consumer's reason (it names the ``dropped_*`` counter)."""
+
+
+class AdmitOp(TypedDict):
+    op: Literal["admit"]
+    group: str
+    rows: int
+    version: int
+    deadline: float
+
+
+class UnadmitOp(TypedDict):
+    op: Literal["unadmit"]
+    group: str
+
+
+class VersionOp(TypedDict):
+    op: Literal["version"]
+    version: int
+
+
+class CountOp(TypedDict):
+    op: Literal["count"]
+    name: str
+    n: int
+
+
+class CommitOp(TypedDict):
+    """A weights commit: the version, the rows it was trained on and the stale drop it caused,
+    as one log record (see ``BusTable.commit_weights``)."""
+
+    op: Literal["commit"]
+    version: int
+    publish: str
+    set_version: bool
+    task: str | None
+    items: Items
+    ignored: int
+    drop: DropOp | None
+
+
+class StateOp(TypedDict):
+    """A compaction snapshot of everything but the rows themselves."""
+
+    op: Literal["state"]
+    version: int
+    weights_version: int
+    publishes: list[list[Any]]
+    next_lease: int
+    counters: dict[str, int]
+    finished: list[str]
+    dropped_groups: list[str]
+    admissions: list[list[Any]]
+    """``[group, rows, version, deadline]`` per open admission."""
+
+
+Op = (
+    PutOp
+    | ColumnsOp
+    | LeaseOp
+    | AckOp
+    | ReleaseOp
+    | ExpireOp
+    | DropOp
+    | AdmitOp
+    | UnadmitOp
+    | VersionOp
+    | CountOp
+    | CommitOp
+    | StateOp
+)
+"""One change to the bus table, as applied and logged."""
