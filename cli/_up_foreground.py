@@ -23,8 +23,9 @@ from relax.cli._up_progress import (
 )
 from relax.cli._up_run_folder import latest_checkpoint, resume_hint, write_run_info
 from relax.cli._up_signals import EXIT_INTERRUPTED, SignalRouting, StopLevels
-from relax.cli._up_stderr import CurrentStderr, Descriptor2, StderrPump
+from relax.cli._up_stderr import Descriptor2, StderrPump
 from relax.cli._validate import EXIT_INVALID
+from relax.log import CurrentStderr
 
 if TYPE_CHECKING:
     from relax.config import ClusterConfig

@@ -9,6 +9,8 @@ import sys
 import threading
 from collections.abc import Callable
 
+from relax.log import CurrentStderr
+
 
 class StderrPump:
     """While a progress bar is drawn, everything written to file descriptor 2 — this process's
@@ -55,19 +57,6 @@ class StderrPump:
             os.close(self.saved)
         if self.thread is not None:
             self.thread.join(timeout=2)  # a child still holding the pipe must not hang us
-
-
-class CurrentStderr:
-    """Whatever ``sys.stderr`` is when a line is written (not when logging was configured)."""
-
-    def write(self, text: str) -> int:
-        return sys.stderr.write(text)
-
-    def flush(self) -> None:
-        sys.stderr.flush()
-
-    def isatty(self) -> bool:
-        return sys.stderr.isatty()
 
 
 class Descriptor2(CurrentStderr):

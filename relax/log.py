@@ -166,6 +166,21 @@ def child_log_dir() -> str | None:
     return _log_dir.get() or os.environ.get(ENV_LOG_DIR)
 
 
+class CurrentStderr:
+    """``sys.stderr`` as it is when a line is written, not when logging was configured: a host
+    that swaps ``sys.stderr`` later (a notebook, a test's capture, an embedding app) still gets
+    the lines, and no line goes to a stream someone has since closed."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
 def configure_logging(
     level: str | None = None,
     fmt: Format | None = None,
@@ -181,7 +196,7 @@ def configure_logging(
     fmt = fmt or os.environ.get(ENV_FORMAT) or "auto"  # type: ignore[assignment]
     if stream is None and os.environ.get(ENV_CONSOLE) == "0":
         stream = open(os.devnull, "w")  # noqa: SIM115 - the process's logger, for good
-    stream = stream or sys.stderr
+    stream = stream or CurrentStderr()
     if fmt == "auto":
         fmt = "console" if stream.isatty() else "json"
     renderer: Any = (

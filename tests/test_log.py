@@ -82,6 +82,24 @@ def test_console_format_is_readable_and_levels_filter() -> None:
     assert not text.lstrip().startswith("{")
 
 
+def test_default_stream_is_stderr_when_the_line_is_written(monkeypatch) -> None:
+    # Configured while one stderr is in place, then that stderr is swapped (a test's capture
+    # ending, a notebook cell): lines reach the stderr of the moment, not the stale one.
+    before = io.StringIO()
+    monkeypatch.setattr("sys.stderr", before)
+    configure_logging(level="info", fmt="json", force=True)
+    after = io.StringIO()
+    monkeypatch.setattr("sys.stderr", after)
+    try:
+        structlog.get_logger().info("where", n=2)
+    finally:
+        structlog.reset_defaults()
+        monkeypatch.undo()
+        configure_logging(force=True)
+    assert before.getvalue() == ""
+    assert [(e["event"], e["n"]) for e in lines(after)] == [("where", 2)]
+
+
 @pytest.mark.anyio
 @pytest.mark.slow
 async def test_child_process_logs_json_with_its_own_pid(tmp_path, captured) -> None:
