@@ -22,7 +22,7 @@ from relax.config import ClusterConfig
 from relax.engines import open_engine
 from relax.models import load_policy, load_tokenizer, pad_token_id, stop_token_ids
 from relax.rewards import RewardSet
-from relax.roles import PROMPT_FOR_REWARD, generate_groups, prompt_row, prompt_stream, score_rows
+from relax.roles import generate_groups, prompt_row, prompt_stream, sample_rows, score_rows
 from relax.schema import LOGPROBS, PROMPT_IDS, RESPONSE_IDS, REWARD
 from relax.training import make_backend
 
@@ -104,21 +104,7 @@ async def _generate_and_score(
     rows = []
     for i, prompt in enumerate(prompts):
         # The very sample rows the rollout puts on the bus, scored as the reward role scores.
-        cols = prompt["columns"]
-        shared = {name: cols[src] for src, name in PROMPT_FOR_REWARD.items() if src in cols}
-        samples = []
-        for j in range(n):
-            g = gens[i * n + j]
-            sample_cols = {
-                PROMPT_IDS: list(g.prompt_ids),
-                RESPONSE_IDS: list(g.response_ids),
-                LOGPROBS: list(g.logprobs),
-                "answer": cols["answer"],
-                **shared,
-            }
-            samples.append(
-                {"uid": f"{prompt['uid']}/{j}", "group": prompt["uid"], "columns": sample_cols}
-            )
+        samples = sample_rows([prompt], gens[i * n : (i + 1) * n], n)
         results = await score_rows(rewards, tokenizer, samples, cfg.data.answer_key)
         if not all(result.ok for result in results):
             continue

@@ -2,7 +2,8 @@
 
 Besides the roles, the steps of one RL iteration that the synchronous runner (``relax.sync``)
 drives without actors or buses: ``prompt_stream``/``prompt_row`` (a dataset's prompts, as bus
-rows), ``generate_groups`` (a group of completions per prompt), ``score_rows`` (their rewards;
+rows), ``generate_groups`` (a group of completions per prompt), ``sample_rows`` (the rows a
+rollout puts for them), ``score_rows`` (their rewards;
 ``PROMPT_FOR_REWARD`` maps a row's prompt columns to what a reward function reads).
 """
 
@@ -11,7 +12,7 @@ from relax.roles._dataset import DatasetRole
 from relax.roles._prompts import prompt_row, prompt_stream
 from relax.roles._reference import ReferenceRole
 from relax.roles._reward import RewardRole, score_rows
-from relax.roles._rollout import PROMPT_FOR_REWARD, RolloutRole, generate_groups
+from relax.roles._rollout import PROMPT_FOR_REWARD, RolloutRole, generate_groups, sample_rows
 from relax.roles._trainer import TrainerRole
 
 __all__ = [
@@ -25,5 +26,6 @@ __all__ = [
     "generate_groups",
     "prompt_row",
     "prompt_stream",
+    "sample_rows",
     "score_rows",
 ]

@@ -387,31 +387,38 @@ class RolloutRole(Actor):
         cfg, engine = self.cfg, self.engine
         assert engine is not None
         gens = await generate_groups(engine, cfg, admitted, stops)
-        rows = []
-        for i, row in enumerate(admitted):
-            for j in range(n):
-                g = gens[i * n + j]
-                columns = {
-                    PROMPT_IDS: list(g.prompt_ids),
-                    RESPONSE_IDS: list(g.response_ids),
-                    LOGPROBS: list(g.logprobs),
-                    "answer": row["columns"]["answer"],
+        return sample_rows(admitted, gens, n)
+
+
+def sample_rows(prompts: list[dict[str, Any]], gens: list[Any], n: int) -> list[dict[str, Any]]:
+    """The sample rows a rollout puts on the bus for ``prompts`` (a group of ``n`` each) from
+    their generations (``gens[i * n + j]``: prompt ``i``'s sample ``j``); the strictly synchronous
+    loop scores these very rows."""
+    rows = []
+    for i, row in enumerate(prompts):
+        for j in range(n):
+            g = gens[i * n + j]
+            columns = {
+                PROMPT_IDS: list(g.prompt_ids),
+                RESPONSE_IDS: list(g.response_ids),
+                LOGPROBS: list(g.logprobs),
+                "answer": row["columns"]["answer"],
+            }
+            if MM_INPUTS in row["columns"]:  # the same processed media, for training
+                columns[MM_INPUTS] = row["columns"][MM_INPUTS]
+            # What the reward function sees of the prompt (relax.rewards.Sample).
+            for source, name in PROMPT_FOR_REWARD.items():
+                if source in row["columns"]:
+                    columns[name] = row["columns"][source]
+            if g.token_versions is not None:
+                columns[TOKEN_VERSIONS] = list(g.token_versions)
+            rows.append(
+                {
+                    "uid": f"{row['uid']}/{j}",
+                    "group": row["uid"],
+                    "group_size": n,
+                    "version": g.version,
+                    "columns": columns,
                 }
-                if MM_INPUTS in row["columns"]:  # the same processed media, for training
-                    columns[MM_INPUTS] = row["columns"][MM_INPUTS]
-                # What the reward function sees of the prompt (relax.rewards.Sample).
-                for source, name in PROMPT_FOR_REWARD.items():
-                    if source in row["columns"]:
-                        columns[name] = row["columns"][source]
-                if g.token_versions is not None:
-                    columns[TOKEN_VERSIONS] = list(g.token_versions)
-                rows.append(
-                    {
-                        "uid": f"{row['uid']}/{j}",
-                        "group": row["uid"],
-                        "group_size": n,
-                        "version": g.version,
-                        "columns": columns,
-                    }
-                )
-        return rows
+            )
+    return rows
