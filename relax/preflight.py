@@ -29,8 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from relax.config import ClusterConfig, load_config, place_issues
-from relax.config._models import MIN_SECRET_LENGTH
+from relax.config import MIN_SECRET_LENGTH, ClusterConfig, load_config, place_issues
 from relax.errors import ConfigError, ConfigIssue
 from relax.importpath import ImportPathError, load
 

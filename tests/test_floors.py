@@ -213,3 +213,33 @@ def test_a_cycle_would_be_caught(tmp_path) -> None:
     [cycle] = import_cycles(graph)
     assert cycle == ["pkg.x", "pkg.y", "pkg.x"]
     assert describe(cycle, graph) == "pkg.x (line 1) -> pkg.y (line 3) -> pkg.x"
+
+
+def private_reaches(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Imports of another package's private module (``relax.a._x`` imported outside
+    ``relax.a``): what a package offers others is its curated namespace."""
+    found = []
+    for module, edges in sorted(graph.items()):
+        for target, line in sorted(edges.items()):
+            owner, _, last = target.rpartition(".")
+            inside = module == owner or module.startswith(owner + ".")
+            if last.startswith("_") and not last.startswith("__") and not inside:
+                found.append(f"{module} (line {line}) imports {target}")
+    return found
+
+
+def test_no_module_reaches_into_another_package_s_private_modules() -> None:
+    graph = import_graph(SOURCES)  # tests may reach in; the package and its CLI may not
+    assert not private_reaches(graph), "\n".join(private_reaches(graph))
+
+
+def test_a_private_reach_would_be_caught(tmp_path) -> None:
+    pkg = tmp_path / "pkg"
+    for sub in ("a", "b"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a" / "_x.py").write_text("X = 1\n")
+    (pkg / "a" / "_y.py").write_text("from pkg.a._x import X\n")  # inside its package: fine
+    (pkg / "b" / "_z.py").write_text("def f():\n    from pkg.a._x import X\n")
+    assert private_reaches(import_graph({"pkg": pkg})) == ["pkg.b._z (line 2) imports pkg.a._x"]

@@ -27,8 +27,7 @@ from relax.bus._table import BusTable
 from relax.bus._weights import WeightStore
 from relax.errors import BadRow, BusError, error_to_dict
 from relax.schema import BusStatistics, Op, Staleness, StalenessWire, TakenRow, TakeReply
-from relax.transport import Limits, Peer, dumps, loads, serve
-from relax.transport._wire import dumps_parts
+from relax.transport import Limits, Peer, dumps, dumps_parts, loads, serve
 
 # Log writes below this size happen inline; larger ones on the writer thread.
 _INLINE_WRITE_BYTES = 64 << 10

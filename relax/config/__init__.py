@@ -36,6 +36,7 @@ from relax.config._base import (
 from relax.config._errors import problems_from
 from relax.config._locate import key_lines, locate
 from relax.config._models import (
+    MIN_SECRET_LENGTH,
     AlgorithmConfig,
     BusConfig,
     CheckpointConfig,
@@ -443,6 +444,7 @@ def load_config(path: str | os.PathLike[str], *, overrides: Sequence[str] = ()) 
 
 __all__ = [
     "GROUP_ADVANTAGES",
+    "MIN_SECRET_LENGTH",
     "RESERVED_IDS",
     "ROLE_NAMES",
     "ActorConfig",

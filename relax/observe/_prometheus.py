@@ -43,7 +43,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from relax.actors._supervisor import ChildState
+from relax.actors import ChildState
 from relax.log import get_logger
 from relax.schema import (
     BusStatistics,
