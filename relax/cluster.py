@@ -36,7 +36,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relax.actors import ChildSpec, InProc, Placement, Process, Restart, Supervisor
+from relax.actors import (
+    ChildSpec,
+    InProc,
+    Placement,
+    Process,
+    Ray,
+    Restart,
+    Supervisor,
+    ray_session,
+)
 from relax.bus import BusService
 from relax.config import ClusterConfig
 from relax.control import ControlServer
@@ -170,15 +179,31 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 def _placement(role: Any) -> Placement:
     if role.placement == "inproc":
         return InProc()
+    threads = getattr(role, "threads", None)
+    env = {} if threads is None else {v: str(threads) for v in _THREAD_VARS}
+    watch = {
+        "heartbeat_interval": role.heartbeat_interval,
+        "heartbeat_timeout": role.heartbeat_timeout,
+        "env": env,
+    }
     if role.placement == "process":
-        threads = getattr(role, "threads", None)
-        env = {} if threads is None else {v: str(threads) for v in _THREAD_VARS}
-        return Process(
-            heartbeat_interval=role.heartbeat_interval,
-            heartbeat_timeout=role.heartbeat_timeout,
-            env=env,
+        return Process(**watch)
+    if role.placement == "ray":
+        ray = role.ray
+        return Ray(
+            **watch,
+            start_timeout=ray.start_timeout,
+            num_cpus=ray.num_cpus,
+            num_gpus=ray.num_gpus,
+            resources=dict(ray.resources),
         )
-    raise ConfigError(f"placement {role.placement!r} is not built yet; use 'process' or 'inproc'")
+    raise ConfigError(f"placement {role.placement!r} is not built; use 'process' or 'inproc'")
+
+
+def uses_ray(cfg: ClusterConfig) -> bool:
+    """Whether any child of the run has placement "ray" (then ``[cluster.ray]`` is connected)."""
+    children = [*cfg.enabled_roles.values(), *cfg.actors]
+    return any(child.placement == "ray" for child in children)
 
 
 def plain_config(cfg: ClusterConfig) -> dict[str, Any]:
@@ -350,6 +375,10 @@ async def _serve(cfg: ClusterConfig, layout: Layout) -> None:
     # The endpoints outlive the tree: status and metrics stay readable while it stops, and
     # the reply to a stop request goes out before the control endpoint closes.
     async with contextlib.AsyncExitStack() as stack:
+        if uses_ray(cfg):  # connected before the tree starts, let go after it stopped
+            stack.enter_context(
+                ray_session(cfg.cluster.ray.address, num_cpus=cfg.cluster.ray.num_cpus)
+            )
         if cfg.logging.prometheus:
             port = cfg.cluster.ports.metrics
             try:

@@ -148,12 +148,13 @@ def _children(cfg: ClusterConfig) -> list[tuple[str, Any]]:
 def _unbuilt(cfg: ClusterConfig) -> list[ConfigIssue]:
     issues = [
         ConfigIssue(
-            f"{key}.placement",
-            'placement "ray" is not built yet (Ray actors are planned, not implemented)',
-            hint='use "process" (its own OS process on this machine) or "inproc"',
+            f"{key}.gang",
+            f'a gang ({child.gang} processes) on placement "ray" is not built yet'
+            " (one Ray placement group per gang is planned)",
+            hint='use placement = "process" for a gang, or gang = 1 on Ray',
         )
         for key, child in _children(cfg)
-        if child.placement == "ray"
+        if child.placement == "ray" and child.gang > 1
     ]
     if cfg.cluster.ports.bus and cfg.bus_transport != "tcp":
         issues.append(
@@ -312,6 +313,11 @@ def _packages(cfg: ClusterConfig) -> list[ConfigIssue]:
                 )
             )
 
+    from relax.actors import RAY_INSTALL_HINT
+
+    on_ray = [key for key, child in _children(cfg) if child.placement == "ray"]
+    if on_ray:  # one issue, at the first child that asks for Ray
+        need(f"{on_ray[0]}.placement", "ray", 'placement "ray"', RAY_INSTALL_HINT)
     if cfg.rollout.enabled and cfg.rollout.engine == "vllm":
         need("rollout.engine", "vllm", 'engine "vllm"', 'pip install vllm, or use engine "hf"')
     if cfg.trainer.enabled and cfg.trainer.backend == "deepspeed":

@@ -6,8 +6,9 @@
   an actor dies every pending call fails with ``ActorDead`` at once.
 - ``Supervisor`` and ``ChildSpec``: strategies, restart types, intensity/period, nested
   supervisors, gangs, snapshots.
-- Placements: ``InProc`` (a task here) and ``Process`` (its own OS process over NNG, with
-  heartbeats).
+- Placements: ``InProc`` (a task here), ``Process`` (its own OS process over NNG, with
+  heartbeats) and ``Ray`` (the same child process, started by a Ray actor on a Ray node;
+  ``ray_session`` connects to Ray; ray is imported only when a Ray child starts).
 """
 
 from relax.actors._actor import Actor, ActorContext
@@ -21,6 +22,7 @@ from relax.actors._flags import (
     Strategy,
 )
 from relax.actors._placement import InProc, Placement, Process
+from relax.actors._ray import RAY_INSTALL_HINT, Ray, ray_session
 from relax.actors._ref import DEFAULT_CALL_TIMEOUT, ActorRef
 from relax.actors._supervisor import ChildSpec, ChildState, Supervisor
 
@@ -30,6 +32,7 @@ __all__ = [
     "DEFAULT_INTENSITY",
     "DEFAULT_PERIOD",
     "DEFAULT_SHUTDOWN",
+    "RAY_INSTALL_HINT",
     "Actor",
     "ActorContext",
     "ActorRef",
@@ -39,7 +42,9 @@ __all__ = [
     "InProc",
     "Placement",
     "Process",
+    "Ray",
     "Restart",
     "Strategy",
     "Supervisor",
+    "ray_session",
 ]

@@ -18,6 +18,11 @@ ExitKind = Literal[
     "heartbeat",  # the process stopped sending heartbeats (hung event loop) and was killed
     "start",  # the actor failed while starting
     "peer",  # a gang member went down, so this one was stopped with it
+    # The Ray placement's causes, read from Ray's own report of its actor's death:
+    "node_lost",  # the Ray node hosting it left the cluster (removed, crashed, preempted)
+    "oom",  # Ray's memory monitor killed it to save its node
+    "placement",  # Ray could not place it (no node has what it asks for)
+    "ray",  # its Ray actor died for another reason Ray names (its worker killed, ray.kill)
 ]
 
 
@@ -53,6 +58,10 @@ class Exit:
             "heartbeat": f"missed heartbeats: {self.message}",
             "start": f"failed to start: {self.error_type}: {self.message}",
             "peer": f"stopped with its gang: {self.message}",
+            "node_lost": f"node lost: {self.message}",
+            "oom": f"killed by Ray's memory monitor (oom): {self.message}",
+            "placement": f"placement failed: {self.message}",
+            "ray": f"its Ray actor died: {self.message}",
         }[self.kind]
         return f"rank {self.member}: {text}" if self.member is not None else text
 

@@ -56,7 +56,10 @@ class _Host:
         actor_id = str(init["id"])
         bind_actor(actor_id)
         context = ActorContext(
-            id=actor_id, rank=int(init["rank"]), size=int(init["size"]), placement="process"
+            id=actor_id,
+            rank=int(init["rank"]),
+            size=int(init["size"]),
+            placement=str(init.get("placement") or "process"),
         )
         try:
             actor = build_actor(init["target"], init.get("args") or [], init.get("kwargs") or {})

@@ -123,22 +123,34 @@ class Process(ProcessOptions):
 
         def starter(rank: int) -> Any:
             async def start(_: int) -> Member:
-                member = ProcessMember(
-                    actor_id=spec.id,
-                    target=import_path(spec.start),  # type: ignore[arg-type]
-                    args=spec.args,
-                    kwargs=dict(spec.kwargs),
-                    rank=rank,
-                    size=spec.gang,
-                    options=self,
-                    gang_env={**gang_env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                )
-                await member.start()
-                return member  # type: ignore[return-value]
+                rank_env = {**gang_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+                return await start_member(ProcessMember, spec, self, rank, rank_env)
 
             return start
 
         return await Incarnation.launch(spec.id, [starter(r) for r in range(spec.gang)])
+
+
+async def start_member(
+    cls: type[ProcessMember],
+    spec: LaunchSpec,
+    options: ProcessOptions,
+    rank: int,
+    gang_env: dict[str, str],
+) -> Member:
+    """Start member ``rank`` of ``spec`` as a ``cls`` (``ProcessMember`` or a subclass)."""
+    member = cls(
+        actor_id=spec.id,
+        target=import_path(spec.start),  # type: ignore[arg-type]
+        args=spec.args,
+        kwargs=dict(spec.kwargs),
+        rank=rank,
+        size=spec.gang,
+        options=options,
+        gang_env=gang_env,
+    )
+    await member.start()
+    return member  # type: ignore[return-value]
 
 
 def _gang_env(size: int, rendezvous: str | None) -> dict[str, str]:

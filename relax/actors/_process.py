@@ -75,6 +75,9 @@ class ProcessOptions:
 class ProcessMember:
     """One child process hosting one actor (one member of a gang)."""
 
+    placement_kind = "process"
+    """What the actor sees as ``ActorContext.placement``."""
+
     def __init__(
         self,
         *,
@@ -121,7 +124,7 @@ class ProcessMember:
             addr = f"tcp://127.0.0.1:{port}"
         self._channel = Channel(sock, f"supervisor->{self.actor_id}/{self.rank}")
         token = secrets.token_hex(16)
-        env = {**os.environ, **self._gang_env, **dict(opts.env)}
+        env = {**self._gang_env, **dict(opts.env)}
         # This run's log folder, not whatever a concurrent run in this process set last.
         log_dir = child_log_dir()
         if log_dir is not None and ENV_LOG_DIR not in opts.env:
@@ -131,10 +134,7 @@ class ProcessMember:
         # folder of ours must never shadow the standard library or an installed package in
         # it (a json.py next to a config): it gets our path *appended* to its own.
         env[ENV_SYS_PATH] = os.pathsep.join(p for p in sys.path if p)
-        self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _CHILD_BOOT, env=env, stdin=asyncio.subprocess.DEVNULL
-        )
-        self.pid = self._proc.pid
+        await self._spawn(env)
         self._tasks.append(asyncio.create_task(self._watch_process()))
         handshake = asyncio.create_task(self._handshake(token))
         await asyncio.wait(
@@ -172,6 +172,7 @@ class ProcessMember:
             rank=self.rank,
             size=self._size,
             hb=self._options.heartbeat_interval,
+            placement=self.placement_kind,
         )
         reply = await self._channel.recv()
         if reply.get("t") == "start_failed":
@@ -230,13 +231,30 @@ class ProcessMember:
                 self._kill()
                 return
 
-    async def _watch_process(self) -> None:
+    async def _spawn(self, env: dict[str, str]) -> None:
+        """Start ``python -c _CHILD_BOOT`` with ``env`` over this process's environment and
+        set ``pid`` (a placement that runs the child elsewhere overrides this)."""
+        self._proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            _CHILD_BOOT,
+            env={**os.environ, **env},
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+        self.pid = self._proc.pid
+
+    async def _process_end(self) -> Exit:
+        """Wait until the child's process has ended; how it ended (overridable, as ``_spawn``)."""
         assert self._proc is not None
-        returncode = await self._proc.wait()
-        by_process = Exit.from_returncode(returncode)
+        return Exit.from_returncode(await self._proc.wait())
+
+    async def _watch_process(self) -> None:
+        by_process = await self._process_end()
         exit_ = self._cause or by_process
         if self._cause is not None and by_process.signal and not exit_.signal:
-            exit_ = Exit(**{**exit_.__dict__, "signal": by_process.signal, "exit_code": returncode})
+            exit_ = Exit(
+                **{**exit_.__dict__, "signal": by_process.signal, "exit_code": by_process.exit_code}
+            )
         dead = ActorDead(
             f"actor {self.actor_id!r} {exit_.describe()}", actor_id=self.actor_id, cause=exit_
         )

@@ -68,6 +68,38 @@ class PortsConfig(ConfigModel):
         return self
 
 
+_RAY_ADDRESS = re.compile(r"ray://[^\s:/]+:\d{1,5}")
+
+
+class RayClusterConfig(ConfigModel):
+    """``[cluster.ray]``: the Ray cluster that children with placement "ray" run on (only read when one does)."""
+
+    address: str = "local"
+    """"local" starts a private Ray instance for this run on 127.0.0.1 and stops it at the end; "auto" joins the Ray cluster already running on this machine (`ray start`); "ray://host:port" connects through Ray Client."""
+    num_cpus: PositiveInt | None = None
+    """Logical CPUs of the private instance (address "local" only); unset means the machine's cores. Each Ray child reserves its `[<role>.ray] num_cpus` of them."""
+
+    @field_validator("address")
+    @classmethod
+    def _address_form(cls, address: str) -> str:
+        if address not in ("local", "auto") and not _RAY_ADDRESS.fullmatch(address):
+            raise value_error(
+                f'must be "local", "auto" or "ray://host:port", got {show(address)}',
+                'use "local" for a private Ray instance on this machine',
+            )
+        return address
+
+    @model_validator(mode="after")
+    def _cpus_only_when_local(self) -> RayClusterConfig:
+        if self.num_cpus is not None and self.address != "local":
+            raise_one(
+                "num_cpus",
+                f"sets the size of a private Ray instance, but address is {show(self.address)}",
+                'remove it (the cluster has its own size), or use address = "local"',
+            )
+        return self
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -86,6 +118,8 @@ class ClusterSection(ConfigModel):
     """Address the control, bus and metrics endpoints bind to. Anything but loopback needs a `secret` or `secret_env`."""
     ports: PortsConfig = PortsConfig()
     """The TCP ports the cluster listens on."""
+    ray: RayClusterConfig = RayClusterConfig()
+    """Where children with placement "ray" run (see `[cluster.ray]`)."""
     secret: SecretStr | None = None
     """Shared secret every TCP connection must prove it holds (at least 16 characters). Prefer `secret_env` so it stays out of files."""
     secret_env: str | None = None

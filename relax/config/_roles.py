@@ -11,7 +11,7 @@ import re
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from relax.config._base import (
     AsTuple,
@@ -23,6 +23,7 @@ from relax.config._base import (
     NonNegativeInt,
     OpenFraction,
     Placement,
+    PositiveFloat,
     PositiveInt,
     Problems,
     Restart,
@@ -31,6 +32,7 @@ from relax.config._base import (
     Shutdown,
     import_path_problem,
     show,
+    value_error,
 )
 
 ROLE_NAMES: tuple[str, ...] = ("dataset", "rollout", "reward", "reference", "critic", "trainer")
@@ -46,11 +48,35 @@ Beta = Annotated[float, Field(ge=0, lt=1)]
 # --------------------------------------------------------------------------- children
 
 
+class RayOptions(ConfigModel):
+    """``[<role>.ray]``: what one member of a child with placement "ray" reserves on its Ray node."""
+
+    num_cpus: NonNegativeFloat = 1.0
+    """Logical CPUs it reserves on its node (Ray's scheduling unit, not a limit on threads; see `threads`)."""
+    num_gpus: NonNegativeFloat = 0.0
+    """GPUs it reserves (fractions share one); Ray sets CUDA_VISIBLE_DEVICES for its process."""
+    resources: dict[str, PositiveFloat] = {}
+    """Custom Ray resources it needs, e.g. {"node-b" = 0.01} to pin it to the node started with that resource."""
+    start_timeout: Seconds = 60.0
+    """Seconds Ray gets to place and start it; a child no node can host within this fails to start."""
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        builtin = sorted(set(resources) & {"CPU", "GPU", "memory", "object_store_memory"})
+        if builtin:
+            raise value_error(
+                f"{builtin[0]!r} is a built-in Ray resource, not a custom one",
+                "use num_cpus / num_gpus for CPUs and GPUs",
+            )
+        return resources
+
+
 class ChildConfig(ConfigModel):
     """Settings every supervised child has: where it runs and how it is restarted and watched."""
 
     placement: Placement = "inproc"
-    """Where it runs: "inproc" (an asyncio task in the supervisor's process) or "process" (its own OS process). "ray" (a Ray actor) is reserved: not built yet, `relax validate` refuses it."""
+    """Where it runs: "inproc" (an asyncio task in the supervisor's process), "process" (its own OS process) or "ray" (its own process, started by a Ray actor on a node chosen by `[<role>.ray]`; needs `pip install -e ".[ray]"`, and gangs on Ray are not built yet)."""
     restart: Restart = "permanent"
     """When it is restarted: "permanent" (always), "transient" (only after a crash) or "temporary" (never)."""
     shutdown: Shutdown | None = None
@@ -63,6 +89,8 @@ class ChildConfig(ConfigModel):
     """Number of processes that start, stop and restart together (e.g. trainer ranks); above 1 needs placement "process" or "ray"."""
     threads: PositiveInt | None = None
     """CPU threads torch may use in this child's process(es) (sets OMP_NUM_THREADS and MKL_NUM_THREADS); needs placement "process" or "ray". Unset leaves the library default (all cores): give roles that overlap their share of the cores instead."""
+    ray: RayOptions = RayOptions()
+    """What each member reserves on its Ray node, with placement "ray" (see `[<role>.ray]`)."""
 
     @model_validator(mode="after")
     def _child_checks(self) -> ChildConfig:
@@ -86,6 +114,13 @@ class ChildConfig(ConfigModel):
                 "threads",
                 'a thread budget needs the child in its own process: placement "process" or "ray",'
                 ' but placement is "inproc"',
+            )
+        # Compared with the defaults, not "was it written": a dumped config restates them.
+        if self.ray != RayOptions() and self.placement != "ray":
+            problems.add(
+                "ray",
+                f'only applies with placement "ray", but placement is "{self.placement}"',
+                'set placement = "ray", or remove the table',
             )
         if self.gang > 1 and self.placement == "inproc":
             problems.add(

@@ -169,8 +169,8 @@ def test_validate_and_up_refuse_the_same_things_and_up_makes_no_run_folder(tmp_p
     monkeypatch.setattr(sys, "path", list(sys.path))
     path = _project(
         tmp_path,
-        "[rollout]\n"  # 4
-        'placement = "ray"\n'  # 5
+        "[cluster.ports]\n"  # 4
+        "bus = 5555\n"  # 5: only used over tcp, and this bus runs inproc
         "[rollout.agent]\n"  # 6
         'kind = "openai"\n'  # 7
         'program = "my_agent_fns:solv"\n'  # 8
@@ -181,10 +181,10 @@ def test_validate_and_up_refuse_the_same_things_and_up_makes_no_run_folder(tmp_p
     assert validated.exit_code == started.exit_code == 2, validated.output
     assert validated.stderr == started.stderr  # exactly the same checks, the same report
     lines = validated.stderr.splitlines()
-    assert lines[0] == f'{path}:5: rollout.placement: placement "ray" is not built yet' + (
-        " (Ray actors are planned, not implemented)"
+    assert lines[0] == f"{path}:5: cluster.ports.bus: is only used when the bus runs over tcp" + (
+        ", but it runs over inproc"
     )
-    assert lines[1] == '    hint: use "process" (its own OS process on this machine) or "inproc"'
+    assert lines[1] == '    hint: set bus.transport = "tcp", or cluster.ports.bus = 0'
     assert f"{path}:8: rollout.agent.program: 'my_agent_fns' has no attribute 'solv'" in lines
     assert "    hint: did you mean my_agent_fns:solve?" in lines
     assert any(line.startswith(f"{path}:10: data.path: no such file") for line in lines)
@@ -193,7 +193,7 @@ def test_validate_and_up_refuse_the_same_things_and_up_makes_no_run_folder(tmp_p
     assert not (tmp_path / "runs").exists()
 
     # The same config, fixed, is valid (an openai program needs no data file).
-    fixed = path.read_text().replace("solv", "solve").replace('placement = "ray"', "")
+    fixed = path.read_text().replace("solv", "solve").replace("bus = 5555", "bus = 0")
     path.write_text(fixed.replace('path = "missing.jsonl"\n', ""))
     assert runner.invoke(app, ["validate", str(path)]).exit_code == 0
 

@@ -1,0 +1,254 @@
+"""The ``Ray`` placement on a real Ray cluster of this machine: a head node and a node
+``node-b`` (its own raylet, custom resource ``node-b``), every node on 127.0.0.1, started
+once for the module (``ray.cluster_utils.Cluster``) and torn down after it.
+
+Without ray installed the Ray tests skip, unless ``RELAX_REQUIRE_RAY=1`` (CI), where a
+missing ray fails them. The config and preflight tests at the end need no running Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relax.actors import RAY_INSTALL_HINT, ChildSpec, Ray, Supervisor
+from relax.config import parse_config
+from relax.errors import ActorDead, CallTimeout, StartFailed
+from relax.preflight import preflight
+from tests.actors.fixtures import Echo
+from tests.actors.helpers import find, pid_alive
+from tests.optional import require
+from tests.polling import wait_until
+
+try:
+    import ray
+    from ray.cluster_utils import Cluster
+except ImportError:  # the fixture below decides: skip, or fail under RELAX_REQUIRE_RAY=1
+    ray = None
+
+slow = pytest.mark.slow
+
+
+def _require_ray() -> None:
+    require("ray", "RELAX_REQUIRE_RAY", RAY_INSTALL_HINT)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Any:
+    """A head (2 CPUs) and ``node-b`` (1 CPU, resource ``node-b``), both on 127.0.0.1."""
+    _require_ray()
+    with pytest.MonkeyPatch.context() as env:
+        # Every raylet on loopback (else Ray's control store binds eth0), no token auth.
+        env.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        env.setenv("RAY_AUTH_MODE", "disabled")
+        # Ray read that variable when it was imported: this process needs the constant too.
+        env.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+        local = {"node_ip_address": "127.0.0.1"}
+        nodes = Cluster(
+            initialize_head=True,
+            connect=True,
+            head_node_args={"num_cpus": 2, "include_dashboard": False, **local},
+        )
+        try:
+            nodes.node_b = nodes.add_node(num_cpus=1, resources={"node-b": 1}, **local)
+            yield nodes
+        finally:
+            ray.shutdown()
+            nodes.shutdown()
+
+
+def _alive_nodes() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+
+def _ray_actor(actor_id: str) -> dict[str, Any]:
+    """Ray's own record of an actor (from its control store; no dashboard needed)."""
+    return ray._private.state.actors(actor_id=actor_id)
+
+
+async def _answers_from_a_new_pid(sup: Supervisor, child: str, old: int) -> bool:
+    try:
+        return await sup.ref(child).call("pid", timeout=2) != old
+    except (ActorDead, CallTimeout):
+        return False  # a call that raced the death; the next one waits for the restart
+
+
+@slow
+@pytest.mark.anyio
+async def test_a_ray_child_answers_calls_and_casts_and_reports_its_node(cluster) -> None:
+    async with Supervisor([ChildSpec("r", Echo, placement=Ray(num_cpus=0.5))]) as sup:
+        ref = sup.ref("r")
+        pid = await ref.call("pid")
+        assert pid != os.getpid() and pid_alive(pid)
+        assert await ref.call("add", 2, b=5) == 7
+        await ref.cast("bump", 3)
+        assert await ref.call("get_count") == 3  # the cast arrived before this call
+        with pytest.raises(ValueError, match="far on ray"):
+            await ref.call("boom", "far on ray")
+        entry = find(await sup.snapshot(), "r")
+        stats = entry["stats"]
+        assert entry["placement"] == "ray" and entry["pids"] == [pid]
+        assert stats["node_id"] in _alive_nodes() and stats["node_ip"] == "127.0.0.1"
+        assert stats["ray_pid"] != pid and pid_alive(stats["ray_pid"])  # its Ray actor
+        assert _ray_actor(stats["ray_actor_id"])["State"] == "ALIVE"
+        assert stats["calls"] >= 4 and stats["casts"] == 1
+    assert not pid_alive(pid)
+    await wait_until(
+        lambda: _ray_actor(stats["ray_actor_id"])["State"] == "DEAD",
+        what="its Ray actor to be gone once the child stopped",
+    )
+
+
+@slow
+@pytest.mark.anyio
+async def test_sigkill_of_the_child_is_a_signal_exit_and_our_supervisor_restarts_it(
+    cluster,
+) -> None:
+    async with Supervisor([ChildSpec("k", Echo, placement=Ray(num_cpus=0.5))], intensity=3) as sup:
+        old = await sup.ref("k").call("pid")
+        first = find(await sup.snapshot(), "k")["stats"]
+        os.kill(old, signal.SIGKILL)
+        await wait_until(
+            lambda: _answers_from_a_new_pid(sup, "k", old), timeout=30, what="a restart"
+        )
+        entry = find(await sup.snapshot(), "k")
+        crash = entry["last_crash"]
+        assert crash["kind"] == "signal" and crash["signal"] == "SIGKILL", crash
+        assert entry["restart_count"] == 1
+        assert (await sup.snapshot())["restarts_in_period"] == 1  # counted by the intensity
+        # Ray did not restart anything: the old Ray actor is dead, a new one hosts the child.
+        assert entry["stats"]["ray_actor_id"] != first["ray_actor_id"]
+        old_actor = _ray_actor(first["ray_actor_id"])
+        assert old_actor["State"] == "DEAD" and old_actor["NumRestarts"] == 0, old_actor
+
+
+@slow
+@pytest.mark.anyio
+async def test_sigkill_of_the_ray_actor_reaches_our_supervisor_with_ray_s_cause(cluster) -> None:
+    async with Supervisor([ChildSpec("w", Echo, placement=Ray(num_cpus=0.5))], intensity=3) as sup:
+        old = await sup.ref("w").call("pid")
+        first = find(await sup.snapshot(), "w")["stats"]
+        os.kill(first["ray_pid"], signal.SIGKILL)  # the Ray worker; its child dies with it
+        await wait_until(
+            lambda: _answers_from_a_new_pid(sup, "w", old), timeout=30, what="a restart"
+        )
+        entry = find(await sup.snapshot(), "w")
+        assert entry["last_crash"]["kind"] == "ray", entry["last_crash"]
+        assert "worker process has died" in entry["last_crash"]["message"]
+        assert entry["restart_count"] == 1 and not pid_alive(old)
+        assert _ray_actor(first["ray_actor_id"])["NumRestarts"] == 0  # max_restarts=0
+
+
+@slow
+@pytest.mark.anyio
+async def test_a_child_no_node_can_host_fails_to_start_with_a_placement_cause(cluster) -> None:
+    placement = Ray(resources={"no-such-node": 1}, start_timeout=1.0)
+    spec = ChildSpec("nowhere", Echo, placement=placement)
+    with pytest.raises(StartFailed) as info:
+        await placement.launch(spec)
+    cause = info.value.cause
+    assert cause.kind == "placement" and "no-such-node" in cause.message, cause
+    with pytest.raises(StartFailed, match="nowhere: placement failed: no Ray node"):
+        async with Supervisor([spec]):
+            pass
+    assert not [a for a in ray._private.state.actors().values() if a["State"] == "PENDING_CREATION"]
+
+
+@slow
+@pytest.mark.anyio
+async def test_hung_ray_child_is_caught_by_heartbeats(cluster) -> None:
+    placement = Ray(num_cpus=0.5, heartbeat_interval=0.1, heartbeat_timeout=0.6)
+    async with Supervisor([ChildSpec("h", Echo, placement=placement)], intensity=3) as sup:
+        old = await sup.ref("h").call("pid")
+        with pytest.raises(ActorDead):
+            await sup.ref("h").call("block", 60, timeout=20)
+        assert await sup.ref("h").call("pid", timeout=20) != old
+        assert find(await sup.snapshot(), "h")["last_crash"]["kind"] == "heartbeat"
+
+
+@slow
+@pytest.mark.anyio
+async def test_a_child_pinned_to_a_node_survives_that_node_s_loss(cluster) -> None:
+    """Runs last: it removes node-b, and adds another node with the same resource."""
+    node_b_id = cluster.node_b.node_id
+    placement = Ray(num_cpus=0.5, resources={"node-b": 0.1}, start_timeout=60)
+    async with Supervisor([ChildSpec("pinned", Echo, placement=placement)], intensity=3) as sup:
+        old = await sup.ref("pinned").call("pid")
+        assert find(await sup.snapshot(), "pinned")["stats"]["node_id"] == node_b_id
+        pending = asyncio.create_task(sup.ref("pinned").call("sleep", 60, timeout=60))
+
+        async def in_flight() -> bool:
+            return find(await sup.snapshot(), "pinned")["stats"]["pending_calls"] == 1
+
+        await wait_until(in_flight, what="the call to be in flight")
+        cluster.remove_node(cluster.node_b)
+        with pytest.raises(ActorDead):  # the call in flight fails at once, it does not hang
+            await pending
+
+        async def lost() -> dict[str, Any] | None:
+            return find(await sup.snapshot(), "pinned")["last_crash"]
+
+        crash = await wait_until(lost, timeout=30, what="the node loss to reach the supervisor")
+        assert crash["kind"] == "node_lost", crash
+        assert not pid_alive(old)
+        # No node has node-b now: the restart waits for one (within start_timeout).
+        cluster.node_b = cluster.add_node(num_cpus=1, resources={"node-b": 1})
+        await wait_until(
+            lambda: _answers_from_a_new_pid(sup, "pinned", old), timeout=60, what="a restart"
+        )
+        entry = find(await sup.snapshot(), "pinned")
+        assert entry["stats"]["node_id"] == cluster.node_b.node_id != node_b_id
+        assert entry["restart_count"] == 1
+
+
+# --------------------------------------------------------------------------- config, preflight
+
+
+def _cfg(text: str) -> Any:
+    return parse_config("[model.init]\n" + text, source="cluster.toml")
+
+
+def test_ray_placement_passes_the_preflight_when_ray_is_installed() -> None:
+    _require_ray()
+    cfg = _cfg('[rollout]\nplacement = "ray"\n[rollout.ray]\nresources = { "node-b" = 0.5 }\n')
+    assert preflight(cfg) == []
+    assert cfg.bus_transport == "tcp" and cfg.cluster.ray.address == "local"
+
+
+def test_without_ray_the_preflight_names_the_extra(monkeypatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a)
+    )
+    issues = preflight(_cfg('[rollout]\nplacement = "ray"\n'))
+    assert [(i.path, i.hint) for i in issues] == [("rollout.placement", 'pip install -e ".[ray]"')]
+
+
+def test_a_gang_on_ray_is_refused_until_it_is_built() -> None:
+    _require_ray()
+    issues = preflight(_cfg('[rollout]\nplacement = "ray"\ngang = 2\n'))
+    assert [i.path for i in issues] == ["rollout.gang"]
+    with pytest.raises(ValueError, match="gang"):
+        ChildSpec("g", Echo, placement=Ray(), gang=2)
+
+
+def test_ray_options_become_the_placement(tmp_path: Path) -> None:
+    from relax.cluster import _placement
+
+    cfg = _cfg(
+        '[reward]\nplacement = "ray"\nthreads = 2\n'
+        '[reward.ray]\nnum_cpus = 0.5\nnum_gpus = 0.25\nresources = { "node-b" = 1 }\n'
+        "start_timeout = 9\n"
+    )
+    placement = _placement(cfg.reward)
+    assert isinstance(placement, Ray) and placement.kind == "ray"
+    assert placement.demand() == {"num_cpus": 0.5, "num_gpus": 0.25, "resources": {"node-b": 1.0}}
+    assert placement.start_timeout == 9 and placement.env["OMP_NUM_THREADS"] == "2"
+    assert placement.transport == "tcp"

@@ -1,0 +1,77 @@
+"""The digits recipe with its rollout on ``placement = "ray"`` and ``[cluster.ray] address =
+"local"``: ``relax.cluster`` starts a private Ray instance on 127.0.0.1 for the run, the
+rollout runs in a Ray actor's child process, and the run trains as it does on one machine.
+
+Skipped when ray is not installed, unless ``RELAX_REQUIRE_RAY=1`` (CI), where a missing ray
+fails instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relax import cluster
+from relax.actors import RAY_INSTALL_HINT
+from relax.config import load_config
+from relax.control import control_request
+from relax.errors import RelaxError
+from tests.actors.helpers import find, wait_until
+from tests.optional import require
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+RECIPE = Path(__file__).resolve().parents[2] / "examples" / "digits" / "cluster.toml"
+
+require("ray", "RELAX_REQUIRE_RAY", RAY_INSTALL_HINT, whole_module=True)
+
+STEPS = 6
+
+
+async def test_digits_recipe_runs_with_its_rollout_on_ray(tmp_path: Path) -> None:
+    import ray
+
+    assert not ray.is_initialized()
+    cfg = load_config(
+        RECIPE,
+        overrides=[
+            'rollout.placement="ray"',
+            "rollout.ray.num_cpus=1",
+            'cluster.ray.address="local"',
+            "cluster.ray.num_cpus=2",
+            f"trainer.steps={STEPS}",
+        ],
+    )
+    run_dir = tmp_path / "run"
+    run = asyncio.create_task(cluster.run(cfg, run_dir))
+
+    async def rollout_on_its_node() -> dict[str, Any] | None:
+        if run.done():
+            run.result()  # raises what the run raised; a finished run is too late to look
+            raise AssertionError("the run ended before its rollout showed up in the status")
+        try:
+            status = await control_request(run_dir, {"op": "status", "history": 1}, timeout=5)
+        except RelaxError:
+            return None  # not serving yet
+        entry = find(status["tree"], "rollout-0")
+        running = entry["state"] == "running" and (entry["stats"] or {}).get("node_id")
+        return entry if running else None
+
+    entry = await wait_until(rollout_on_its_node, timeout=120, what="the rollout on Ray")
+    # The status (what `relax status --json` prints) names the Ray node and actor hosting it.
+    assert entry["placement"] == "ray", entry
+    assert entry["stats"]["node_id"] in {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert entry["stats"]["node_ip"] == "127.0.0.1" and entry["stats"]["ray_actor_id"]
+    layout = await run
+    assert not ray.is_initialized()  # the private instance was stopped with the run
+    rows = [
+        json.loads(line) for line in (layout.run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows if r["applied"]] == list(range(1, STEPS + 1))
+    # The Ray-placed rollout picked up the trainer's published weights, within the bound.
+    assert max(r["newest_row_version"] for r in rows) > 0, rows
+    for r in rows:
+        assert r["oldest_row_version"] >= r["trainer_version_at_take"] - cfg.staleness_bound, r
