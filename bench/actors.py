@@ -102,8 +102,8 @@ async def actor_calls(sup: Supervisor, child: str, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-async def restart_latency(sup: Supervisor) -> float:
-    ref = sup.ref("ipc")
+async def restart_latency(sup: Supervisor, child: str = "ipc") -> float:
+    ref = sup.ref(child)
     pid = await ref.call("pid")
     start = time.perf_counter()
     os.kill(pid, signal.SIGKILL)

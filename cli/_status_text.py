@@ -53,7 +53,7 @@ def plain_snapshot(snap: StatusSnapshot) -> str:
             (
                 "  " * depth + str(path.rsplit("/", 1)[-1]),
                 str(child.get("state", "?")),
-                str(child.get("placement", "")),
+                placement_label(child),
                 "pids " + (",".join(str(p) for p in child.get("pids") or []) or "—"),
                 "up " + duration(child.get("uptime_s")),
                 f"restarts {int(child.get('restart_count') or 0)}",
@@ -77,6 +77,18 @@ def plain_snapshot(snap: StatusSnapshot) -> str:
                 f"{counts.get('lag', 0)}"
             )
     return "\n".join(lines)
+
+
+def placement_label(child: ChildSnapshot) -> str:
+    """Where a child runs: its placement, and for a Ray-placed one the node hosting it
+    (``ray @ 127.0.0.1 node 1a2b3c4d``; a node id is 56 hex digits, 8 tell them apart)."""
+    placement = str(child.get("placement", ""))
+    stats = child.get("stats") or {}
+    node = stats.get("node_id")
+    if not node:
+        return placement
+    where = f"{stats['node_ip']} " if stats.get("node_ip") else ""
+    return f"{placement} @ {where}node {str(node)[:8]}"
 
 
 def flatten(

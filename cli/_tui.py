@@ -41,6 +41,7 @@ from relax.cli._status_text import (
     duration,
     flatten,
     fmt,
+    placement_label,
     seconds,
 )
 from relax.cli._tui_widgets import AxisSparkline, Confirm
@@ -296,7 +297,7 @@ class StatusApp(App[None]):
             cells = {
                 "actor": Text("  " * depth + str(child.get("id")), style="bold"),
                 "state": Text(state, style=STATE_STYLES.get(state, "")),
-                "placement": str(child.get("placement", "")),
+                "placement": placement_label(child),
                 "pids": ",".join(str(p) for p in child.get("pids") or []) or "—",
                 "uptime": duration(child.get("uptime_s")),
                 "restarts": Text(str(restarts), style="bold yellow" if restarts else ""),

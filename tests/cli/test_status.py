@@ -430,3 +430,26 @@ def test_operating_commands_start_fast_without_torch(tmp_path: Path, args: list[
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.splitlines()[-1] == "heavy: []", done.stdout + done.stderr
+
+
+def test_a_ray_placed_child_shows_its_node_in_the_plain_snapshot() -> None:
+    from relax.cli._status_text import plain_snapshot
+
+    node = "1a2b3c4d" + "0" * 48
+    child = {"id": "rollout-0", "state": "running", "pids": [41], "uptime_s": 3.0}
+    snap: Any = {
+        "tree": {
+            "strategy": "one_for_one",
+            "children": [
+                {**child, "placement": "ray", "stats": {"node_id": node, "node_ip": "127.0.0.1"}},
+                {**child, "id": "trainer", "placement": "process", "stats": {}},
+            ],
+        },
+        "bus": {},
+        "metrics": [],
+    }
+    text = plain_snapshot(snap)
+    rows = {line.split()[0]: line for line in text.splitlines() if line.startswith("  ")}
+    ray_line, process_line = rows["rollout-0"], rows["trainer"]
+    assert "ray @ 127.0.0.1 node 1a2b3c4d " in ray_line and node not in ray_line
+    assert "process" in process_line and "node" not in process_line
