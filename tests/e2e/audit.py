@@ -218,9 +218,14 @@ def check_trainer_ledger(run_dir: Path, ledger: BusLedger) -> dict[str, int]:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl``, each line strictly parsed. Read while the run is
+    going, the trainer may be halfway through appending the last line: text after the last
+    newline is not a record yet (a finished run's file ends with one; ``check_metrics``
+    counts every step, so a record that never got its newline is still caught)."""
     path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line.strip()]
+    text = path.read_text() if path.exists() else ""
+    complete = text[: text.rfind("\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 def applied_steps(run_dir: Path) -> list[dict[str, Any]]:
