@@ -52,7 +52,7 @@ def plain_snapshot(snap: StatusSnapshot) -> str:
         rows.append(
             (
                 "  " * depth + str(path.rsplit("/", 1)[-1]),
-                str(child.get("state", "?")),
+                state_label(child),
                 placement_label(child),
                 "pids " + (",".join(str(p) for p in child.get("pids") or []) or "—"),
                 "up " + duration(child.get("uptime_s")),
@@ -77,6 +77,13 @@ def plain_snapshot(snap: StatusSnapshot) -> str:
                 f"{counts.get('lag', 0)}"
             )
     return "\n".join(lines)
+
+
+def state_label(child: ChildSnapshot) -> str:
+    """A child's state for a table: ``waiting for resources`` when no node can host it yet
+    (the snapshot's ``waiting`` says what it asks for)."""
+    state = str(child.get("state", "?"))
+    return "waiting for resources" if state == "waiting" else state
 
 
 def placement_label(child: ChildSnapshot) -> str:

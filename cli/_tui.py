@@ -43,6 +43,7 @@ from relax.cli._status_text import (
     fmt,
     placement_label,
     seconds,
+    state_label,
 )
 from relax.cli._tui_widgets import AxisSparkline, Confirm
 from relax.control import CONTROL_FILE, ClusterNotRunning, control_request
@@ -52,6 +53,7 @@ STATE_STYLES = {
     "running": "bold green",
     "starting": "yellow",
     "restarting": "bold yellow",
+    "waiting": "bold magenta",
     "stopping": "yellow",
     "exited": "yellow",
     "crashed": "bold red",
@@ -296,7 +298,7 @@ class StatusApp(App[None]):
             restarts = int(child.get("restart_count") or 0)
             cells = {
                 "actor": Text("  " * depth + str(child.get("id")), style="bold"),
-                "state": Text(state, style=STATE_STYLES.get(state, "")),
+                "state": Text(state_label(child), style=STATE_STYLES.get(state, "")),
                 "placement": placement_label(child),
                 "pids": ",".join(str(p) for p in child.get("pids") or []) or "—",
                 "uptime": duration(child.get("uptime_s")),

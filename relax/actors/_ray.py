@@ -18,8 +18,11 @@ Ray never restarts it behind our back. The supervisor awaits a long-running meth
   ``ray`` (any other death Ray reports). The child is gone with it (``PR_SET_PDEATHSIG``).
 
 ``ray`` is imported only here, and only when a Ray member starts: nothing else pays for it.
-Not built yet: gangs (one placement group per gang), and children on other machines (the
-child dials the supervisor on 127.0.0.1).
+A child no live node can host (its resource is on no node, or its node was lost) fails to
+start with a ``placement`` cause, and the placement's ``wait_for_resources`` tells the
+supervisor when one could: the child shows ``waiting`` meanwhile, without burning restart
+intensity. Not built yet: gangs (one placement group per gang), and children on other
+machines (the child dials the supervisor on 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -88,8 +91,26 @@ class Ray(ProcessOptions):
             "resources": dict(self.resources),
         }
 
+    def needs(self) -> dict[str, float]:
+        """What one member needs from a node, in Ray's resource names."""
+        need = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {name: amount for name, amount in need.items() if amount > 0}
+
+    async def wait_for_resources(self, spec: LaunchSpec, poll: float = 0.5) -> None:
+        """Until some live node of the cluster has, in all, what a member needs (a node was
+        added, or came back); the supervisor then starts the waiting child again."""
+        # Ray's control store has no subscription for "a node joined" in its public API: ask.
+        while True:
+            if await asyncio.to_thread(_hostable, self.needs()):
+                return
+            await asyncio.sleep(poll)
+
     async def launch(self, spec: LaunchSpec) -> Incarnation:
         _ray()  # fail here, named, when ray is missing or not connected
+        if not await asyncio.to_thread(_hostable, self.needs()):
+            # Ray would queue the actor forever: say so now, and let the supervisor wait.
+            cause = Exit("placement", f"no live Ray node has {self.needs()}")
+            raise StartFailed(f"{spec.id}: {cause.describe()}", actor_id=spec.id, cause=cause)
 
         async def start(rank: int) -> Member:
             return await start_member(RayMember, spec, self, rank, {})
@@ -161,6 +182,10 @@ class _Launcher:
                 self._proc.send_signal(signal.SIGKILL)
 
 
+class _Unhostable(Exception):
+    """While a member waited to be placed, every node that could host it left."""
+
+
 class RayMember(ProcessMember):
     """A ``ProcessMember`` whose child a Ray actor spawns on the node Ray chose."""
 
@@ -180,15 +205,16 @@ class RayMember(ProcessMember):
         )
         self._handle = launcher.remote()
         try:
-            # Placing waits for a node with the resources; that is bounded by start_timeout.
-            self._where = await asyncio.wait_for(
-                asyncio.wrap_future(self._handle.spawn.remote(env).future()), opts.start_timeout
+            self._where = await self._placed(
+                asyncio.wrap_future(self._handle.spawn.remote(env).future()), opts
             )
         except BaseException as exc:
             self._release()
             if self._channel is not None:
                 self._channel.close()
-            if isinstance(exc, asyncio.TimeoutError):
+            if isinstance(exc, _Unhostable):
+                cause = Exit("placement", str(exc))
+            elif isinstance(exc, asyncio.TimeoutError):
                 cause = Exit(
                     "placement",
                     f"no Ray node could host it within {opts.start_timeout:g}s"
@@ -203,6 +229,21 @@ class RayMember(ProcessMember):
             ) from None
         self.pid = int(self._where["pid"])
         self._ended = asyncio.wrap_future(self._handle.wait.remote().future())
+
+    async def _placed(self, spawned: asyncio.Future[Any], opts: Ray) -> dict[str, Any]:
+        """``spawned``'s result once Ray placed the launcher, within ``start_timeout``; raises
+        ``_Unhostable`` as soon as no live node could host it (its node was just lost)."""
+        deadline = asyncio.get_running_loop().time() + opts.start_timeout
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise asyncio.TimeoutError
+            done, _ = await asyncio.wait({spawned}, timeout=min(1.0, left))
+            if done:
+                return spawned.result()
+            if not await asyncio.to_thread(_hostable, opts.needs()):
+                spawned.cancel()
+                raise _Unhostable(f"no live Ray node has {opts.needs()}")
 
     async def _process_end(self) -> Exit:
         try:
@@ -254,6 +295,19 @@ def _detail(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     keep = [line for line in lines if not line.startswith(("class_name:", "actor_id:", "pid:"))]
     return " ".join(keep)[:400]
+
+
+def _hostable(needs: Mapping[str, float]) -> bool:
+    """Whether a live node has, in all (used or not), every resource in ``needs``."""
+    import ray
+
+    try:
+        nodes = ray.nodes()
+    except Exception:  # the control store is unreachable: let Ray's own placement decide
+        return True
+    return any(
+        n["Alive"] and all(n["Resources"].get(k, 0.0) >= v for k, v in needs.items()) for n in nodes
+    )
 
 
 def _node_alive(node_id: str) -> bool:

@@ -115,8 +115,10 @@ class ChildSpec:
 
 AutoShutdown = Literal["never", "any_significant", "all_significant"]
 ChildState = Literal[
-    "starting", "running", "exited", "restarting", "stopping", "stopped", "crashed"
+    "starting", "running", "exited", "restarting", "waiting", "stopping", "stopped", "crashed"
 ]
+"""``waiting``: no node can host the child right now (its placement said so); it starts as
+soon as one can, and that wait is not a restart (it burns no restart intensity)."""
 _TERMINAL = ("stopped", "crashed")
 
 
@@ -133,6 +135,9 @@ class _Child:
     started_mono: float | None = None
     last_exit: Exit | None = None
     last_crash: Exit | None = None
+    waiting: str | None = None
+    """What it waits for, while ``state == "waiting"``."""
+    waiter: asyncio.Task[None] | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def set_state(self, state: ChildState, *, terminal: bool = False) -> None:
@@ -191,7 +196,8 @@ class Supervisor(Actor):
         self.auto_shutdown = auto_shutdown
         self._children = [_Child(c, significant=c.id in significant) for c in children]
         self._by_id = {c.spec.id: c for c in self._children}
-        self._events: asyncio.Queue[tuple[str, int, Exit]] = asyncio.Queue()
+        # (child, generation, how it ended); ``None``: a waiting child may be placeable now.
+        self._events: asyncio.Queue[tuple[str, int, Exit | None]] = asyncio.Queue()
         self._restart_times: collections.deque[float] = collections.deque()
         self._lock = asyncio.Lock()
         self._cell: Cell | None = None
@@ -284,7 +290,8 @@ class Supervisor(Actor):
 
     # ------------------------------------------------------------------ children
 
-    async def _start(self, child: _Child) -> None:
+    async def _start(self, child: _Child) -> bool:
+        """Start ``child``; False when it was parked as ``waiting`` for resources instead."""
         child.generation += 1
         generation = child.generation
         child.set_state("starting")
@@ -292,15 +299,36 @@ class Supervisor(Actor):
             incarnation = await child.spec.placement.launch(child.spec)
         except StartFailed as exc:
             exit_ = exc.cause if isinstance(exc.cause, Exit) else Exit.from_exception(exc, "start")
-            child.last_exit = child.last_crash = exit_
             child.incarnation = None
+            wait_for = getattr(child.spec.placement, "wait_for_resources", None)
+            if exit_.kind == "placement" and wait_for is not None:
+                self._park(child, generation, exit_, wait_for)
+                return False
+            child.last_exit = child.last_crash = exit_
             child.set_state("crashed", terminal=True)
             raise
+        child.waiting = None
         child.incarnation = incarnation
         child.started_at, child.started_mono = time.time(), time.monotonic()
         child.set_state("running")
         log.info("child started", supervisor=self.name, child=child.spec.id, pids=incarnation.pids)
         incarnation.done.add_done_callback(lambda fut: self._exited(child, generation, fut))
+        return True
+
+    def _park(self, child: _Child, generation: int, why: Exit, wait_for: Any) -> None:
+        """No node can host ``child`` now: show it ``waiting`` and try again when its
+        placement says one might (a callers' ref waits meanwhile, as during a restart)."""
+        child.waiting = f"waiting for resources: {why.message}"
+        child.set_state("waiting")
+        log.warning(
+            "child waits for resources", supervisor=self.name, child=child.spec.id, why=why.message
+        )
+
+        async def wait() -> None:
+            await wait_for(child.spec)
+            self._events.put_nowait((child.spec.id, generation, None))
+
+        child.waiter = asyncio.create_task(wait())
 
     def _exited(self, child: _Child, generation: int, fut: asyncio.Future[Exit]) -> None:
         if generation != child.generation or child.state != "running":
@@ -310,6 +338,9 @@ class Supervisor(Actor):
         self._events.put_nowait((child.spec.id, generation, exit_))
 
     async def _stop(self, child: _Child) -> None:
+        if child.waiter is not None:
+            child.waiter.cancel()
+            child.waiter = None
         incarnation = child.incarnation
         if incarnation is None or incarnation.done.done():
             if not child.terminal and child.state not in ("starting", "restarting", "exited"):
@@ -327,8 +358,16 @@ class Supervisor(Actor):
             await self._stop(child)
             child.set_state("stopped" if child.state != "crashed" else "crashed", terminal=True)
 
-    async def _on_exit(self, child_id: str, generation: int, exit_: Exit) -> bool:
+    async def _on_exit(self, child_id: str, generation: int, exit_: Exit | None) -> bool:
         child = self._by_id[child_id]
+        if exit_ is None:  # resources may be there now for a waiting child: not a restart
+            if generation == child.generation and child.state == "waiting":
+                child.waiter = None
+                try:
+                    await self._start(child)
+                except StartFailed as exc:
+                    self._failed_restart(child, exc)
+            return False
         if generation != child.generation or child.state != "exited":
             return False
         child.last_exit = exit_
@@ -393,15 +432,14 @@ class Supervisor(Actor):
             try:
                 await self._start(child)
             except StartFailed as exc:
-                child.set_state("exited")  # a failed restart counts as another crash
-                self._events.put_nowait(
-                    (child.spec.id, child.generation, child.last_exit or Exit("start"))
-                )
-                log.warning(
-                    "restart failed", supervisor=self.name, child=child.spec.id, error=str(exc)
-                )
+                self._failed_restart(child, exc)
                 return
-            child.restarts += 1
+            child.restarts += 1  # a child parked waiting for resources counts once, here
+
+    def _failed_restart(self, child: _Child, exc: StartFailed) -> None:
+        child.set_state("exited")  # a failed restart counts as another crash
+        self._events.put_nowait((child.spec.id, child.generation, child.last_exit or Exit("start")))
+        log.warning("restart failed", supervisor=self.name, child=child.spec.id, error=str(exc))
 
     def _should_auto_shutdown(self, child: _Child) -> bool:
         if not child.significant or self.auto_shutdown == "never":
@@ -460,6 +498,7 @@ class Supervisor(Actor):
             "gang": child.spec.gang,
             "restart": child.spec.restart.value,
             "state": child.state,
+            "waiting": child.waiting if child.state == "waiting" else None,
             "pids": incarnation.pids if live and incarnation is not None else [],
             "restart_count": child.restarts,
             "started_at": child.started_at,

@@ -42,6 +42,8 @@ class ChildSnapshot(TypedDict, total=False):
     restart: str
     state: str
     """One of ``relax.observe.ACTOR_STATES``."""
+    waiting: str | None
+    """While ``state == "waiting"``: what resources it waits for (else ``None``)."""
     pids: list[int]
     restart_count: int
     started_at: float | None

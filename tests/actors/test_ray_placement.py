@@ -146,17 +146,37 @@ async def test_sigkill_of_the_ray_actor_reaches_our_supervisor_with_ray_s_cause(
 
 @slow
 @pytest.mark.anyio
-async def test_a_child_no_node_can_host_fails_to_start_with_a_placement_cause(cluster) -> None:
-    placement = Ray(resources={"no-such-node": 1}, start_timeout=1.0)
+async def test_a_child_no_node_can_host_waits_for_resources_without_burning_intensity(
+    cluster,
+) -> None:
+    placement = Ray(num_cpus=0.5, resources={"node-c": 0.1}, start_timeout=30)
     spec = ChildSpec("nowhere", Echo, placement=placement)
-    with pytest.raises(StartFailed) as info:
+    with pytest.raises(StartFailed) as info:  # the placement alone says so, at once
         await placement.launch(spec)
     cause = info.value.cause
-    assert cause.kind == "placement" and "no-such-node" in cause.message, cause
-    with pytest.raises(StartFailed, match="nowhere: placement failed: no Ray node"):
-        async with Supervisor([spec]):
-            pass
+    assert cause.kind == "placement" and "node-c" in cause.message, cause
     assert not [a for a in ray._private.state.actors().values() if a["State"] == "PENDING_CREATION"]
+    # Under a supervisor (intensity 0: a single counted restart would stop the tree) the
+    # child waits, shown as such, while its siblings run and calls to it wait too.
+    children = [spec, ChildSpec("here", Echo, placement=Ray(num_cpus=0.5))]
+    async with Supervisor(children, intensity=0) as sup:
+        waiting = find(await sup.snapshot(), "nowhere")
+        assert waiting["state"] == "waiting" and "node-c" in waiting["waiting"], waiting
+        assert await sup.ref("here").call("add", 1, b=1) == 2
+        pending = asyncio.create_task(sup.ref("nowhere").call("add", 2, b=3, timeout=60))
+        await asyncio.sleep(0)
+        assert not pending.done()
+        node_c = cluster.add_node(num_cpus=1, resources={"node-c": 1})
+        try:
+            assert await pending == 5  # it started once a node with node-c joined
+            entry = find(await sup.snapshot(), "nowhere")
+            assert entry["state"] == "running" and entry["waiting"] is None, entry
+            assert entry["stats"]["node_id"] == node_c.node_id
+            assert entry["restart_count"] == 0 and entry["last_crash"] is None, entry
+            assert (await sup.snapshot())["restarts_in_period"] == 0
+        finally:
+            await sup.terminate_child("nowhere")
+            cluster.remove_node(node_c)
 
 
 @slow
@@ -198,7 +218,15 @@ async def test_a_child_pinned_to_a_node_survives_that_node_s_loss(cluster) -> No
         # Its child goes with its launcher (PR_SET_PDEATHSIG), which the raylet's end takes:
         # the verdict can reach the supervisor first, on a loaded machine.
         await wait_until(lambda: not pid_alive(old), timeout=30, what="the lost node's child gone")
-        # No node has node-b now: the restart waits for one (within start_timeout).
+
+        # No node has node-b now: the restart waits for one, shown as waiting, not counted.
+        async def waiting() -> dict[str, Any] | None:
+            entry = find(await sup.snapshot(), "pinned")
+            return entry if entry["state"] == "waiting" else None
+
+        entry = await wait_until(waiting, timeout=30, what="the child to wait for node-b")
+        assert "node-b" in entry["waiting"], entry
+        assert (await sup.snapshot())["restarts_in_period"] == 1  # the node loss, only
         cluster.node_b = cluster.add_node(num_cpus=1, resources={"node-b": 1})
         await wait_until(
             lambda: _answers_from_a_new_pid(sup, "pinned", old), timeout=60, what="a restart"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
-from relax.actors import ChildSpec, Restart, Strategy, Supervisor
+from relax.actors import ChildSpec, Exit, InProc, Restart, Strategy, Supervisor
 from relax.errors import ActorDead, StartFailed, SupervisorGaveUp
 from tests.actors.fixtures import CrashOnStart, CrashSoon, Echo, FinishSoon, read_events
 from tests.actors.helpers import find, starts
@@ -214,3 +215,60 @@ def test_bad_specs_are_refused_early() -> None:
         ChildSpec("a", Echo, shutdown=-1)
     with pytest.raises(ValueError):
         ChildSpec("a", Echo, restart="sometimes")
+
+
+class ScarcePlacement(InProc):
+    """In-process, but "no node can host it" until ``node_joined`` is set: the shape of a
+    Ray placement whose resource is on no live node (``wait_for_resources`` and all)."""
+
+    def __init__(self, node_joined: asyncio.Event) -> None:
+        super().__init__()
+        object.__setattr__(self, "node_joined", node_joined)
+
+    async def launch(self, spec):  # type: ignore[no-untyped-def]
+        if not self.node_joined.is_set():
+            cause = Exit("placement", "no live node has {'node-c': 1}")
+            raise StartFailed(f"{spec.id}: {cause.describe()}", actor_id=spec.id, cause=cause)
+        return await super().launch(spec)
+
+    async def wait_for_resources(self, spec) -> None:  # type: ignore[no-untyped-def]
+        await self.node_joined.wait()
+
+
+async def test_a_child_no_node_can_host_waits_without_burning_intensity(tmp_path) -> None:
+    joined = asyncio.Event()
+    events = str(tmp_path / "events.jsonl")
+    children = [
+        ChildSpec("scarce", Echo, kwargs={"events": events}, placement=ScarcePlacement(joined)),
+        ChildSpec("b", Echo, kwargs={"events": events}),
+    ]
+    # intensity 0: one counted restart would stop the tree; waiting must not count.
+    async with Supervisor(children, strategy=Strategy.REST_FOR_ONE, intensity=0) as sup:
+        entry = find(await sup.snapshot(), "scarce")
+        assert entry["state"] == "waiting" and "node-c" in entry["waiting"], entry
+        assert entry["last_crash"] is None and entry["restart_count"] == 0
+        assert await sup.ref("b").call("add", 1, b=2) == 3  # its sibling started anyway
+        call = asyncio.create_task(sup.ref("scarce").call("add", 2, b=2, timeout=30))
+        await asyncio.sleep(0.05)
+        assert not call.done()  # a caller waits for it, as during a restart
+        joined.set()
+        assert await call == 4
+        snap = await sup.snapshot()
+        entry = find(snap, "scarce")
+        assert entry["state"] == "running" and entry["waiting"] is None
+        assert entry["restart_count"] == 0 and snap["restarts_in_period"] == 0
+        assert sup.gave_up is None
+
+
+async def test_a_waiting_child_stops_with_its_supervisor_and_on_terminate(tmp_path) -> None:
+    joined = asyncio.Event()
+    spec = ChildSpec("scarce", Echo, placement=ScarcePlacement(joined))
+    async with Supervisor([spec]) as sup:
+        assert find(await sup.snapshot(), "scarce")["state"] == "waiting"
+        await sup.terminate_child("scarce")
+        joined.set()  # a node joins after the child was stopped: it stays stopped
+        await asyncio.sleep(0.05)
+        entry = find(await sup.snapshot(), "scarce")
+        assert entry["state"] == "stopped" and entry["pids"] == []
+        with pytest.raises(ActorDead):
+            await sup.ref("scarce").call("add", 1, b=1)

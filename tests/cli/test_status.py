@@ -453,3 +453,24 @@ def test_a_ray_placed_child_shows_its_node_in_the_plain_snapshot() -> None:
     ray_line, process_line = rows["rollout-0"], rows["trainer"]
     assert "ray @ 127.0.0.1 node 1a2b3c4d " in ray_line and node not in ray_line
     assert "process" in process_line and "node" not in process_line
+
+
+def test_a_child_waiting_for_resources_says_so_in_the_plain_snapshot() -> None:
+    from relax.cli._status_text import plain_snapshot
+
+    waiting = {
+        "id": "rollout-0",
+        "placement": "ray",
+        "state": "waiting",
+        "waiting": "waiting for resources: no live Ray node has {'node-b': 0.1}",
+        "pids": [],
+    }
+    running = {"id": "trainer", "placement": "process", "state": "running", "pids": [7]}
+    snap: Any = {
+        "tree": {"strategy": "one_for_one", "children": [waiting, running]},
+        "bus": {},
+        "metrics": [],
+    }
+    rows = {line.split()[0]: line for line in plain_snapshot(snap).splitlines() if line[:2] == "  "}
+    assert "waiting for resources" in rows["rollout-0"]
+    assert "waiting" not in rows["trainer"] and "running" in rows["trainer"]
