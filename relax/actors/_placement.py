@@ -59,6 +59,11 @@ class Member(Protocol):
 
 
 class Placement(Protocol):
+    """Where a child runs. A placement whose start can fail for want of resources (``Ray``)
+    also has ``async wait_for_resources(spec)``, returning when a start could succeed: the
+    supervisor then parks a start that failed with an ``Exit`` of kind ``placement`` as
+    ``waiting`` (not a crash, no restart counted) and starts it again when that returns."""
+
     kind: str
 
     async def launch(self, spec: LaunchSpec) -> Incarnation: ...

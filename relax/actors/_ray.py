@@ -109,7 +109,7 @@ class Ray(ProcessOptions):
         _ray()  # fail here, named, when ray is missing or not connected
         if not await asyncio.to_thread(_hostable, self.needs()):
             # Ray would queue the actor forever: say so now, and let the supervisor wait.
-            cause = Exit("placement", f"no live Ray node has {self.needs()}")
+            cause = _unhostable(self.needs())
             raise StartFailed(f"{spec.id}: {cause.describe()}", actor_id=spec.id, cause=cause)
 
         async def start(rank: int) -> Member:
@@ -213,7 +213,7 @@ class RayMember(ProcessMember):
             if self._channel is not None:
                 self._channel.close()
             if isinstance(exc, _Unhostable):
-                cause = Exit("placement", str(exc))
+                cause = _unhostable(opts.needs())
             elif isinstance(exc, asyncio.TimeoutError):
                 cause = Exit(
                     "placement",
@@ -243,7 +243,7 @@ class RayMember(ProcessMember):
                 return spawned.result()
             if not await asyncio.to_thread(_hostable, opts.needs()):
                 spawned.cancel()
-                raise _Unhostable(f"no live Ray node has {opts.needs()}")
+                raise _Unhostable
 
     async def _process_end(self) -> Exit:
         try:
@@ -295,6 +295,11 @@ def _detail(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     keep = [line for line in lines if not line.startswith(("class_name:", "actor_id:", "pid:"))]
     return " ".join(keep)[:400]
+
+
+def _unhostable(needs: Mapping[str, float]) -> Exit:
+    """The cause of a start no live node could host: the supervisor parks such a child."""
+    return Exit("placement", f"no live Ray node has {dict(needs)}")
 
 
 def _hostable(needs: Mapping[str, float]) -> bool:

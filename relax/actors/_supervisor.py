@@ -307,7 +307,6 @@ class Supervisor(Actor):
             child.last_exit = child.last_crash = exit_
             child.set_state("crashed", terminal=True)
             raise
-        child.waiting = None
         child.incarnation = incarnation
         child.started_at, child.started_mono = time.time(), time.monotonic()
         child.set_state("running")

@@ -224,6 +224,7 @@ class ScarcePlacement(InProc):
     def __init__(self, node_joined: asyncio.Event) -> None:
         super().__init__()
         object.__setattr__(self, "node_joined", node_joined)
+        object.__setattr__(self, "waits_cancelled", [])
 
     async def launch(self, spec):  # type: ignore[no-untyped-def]
         if not self.node_joined.is_set():
@@ -232,7 +233,11 @@ class ScarcePlacement(InProc):
         return await super().launch(spec)
 
     async def wait_for_resources(self, spec) -> None:  # type: ignore[no-untyped-def]
-        await self.node_joined.wait()
+        try:
+            await self.node_joined.wait()
+        except asyncio.CancelledError:
+            self.waits_cancelled.append(spec.id)
+            raise
 
 
 async def test_a_child_no_node_can_host_waits_without_burning_intensity(tmp_path) -> None:
@@ -249,7 +254,7 @@ async def test_a_child_no_node_can_host_waits_without_burning_intensity(tmp_path
         assert entry["last_crash"] is None and entry["restart_count"] == 0
         assert await sup.ref("b").call("add", 1, b=2) == 3  # its sibling started anyway
         call = asyncio.create_task(sup.ref("scarce").call("add", 2, b=2, timeout=30))
-        await asyncio.sleep(0.05)
+        assert find(await sup.snapshot(), "scarce")["state"] == "waiting"  # the call ran meanwhile
         assert not call.done()  # a caller waits for it, as during a restart
         joined.set()
         assert await call == 4
@@ -263,11 +268,13 @@ async def test_a_child_no_node_can_host_waits_without_burning_intensity(tmp_path
 async def test_a_waiting_child_stops_with_its_supervisor_and_on_terminate(tmp_path) -> None:
     joined = asyncio.Event()
     spec = ChildSpec("scarce", Echo, placement=ScarcePlacement(joined))
+    placement = spec.placement
     async with Supervisor([spec]) as sup:
         assert find(await sup.snapshot(), "scarce")["state"] == "waiting"
         await sup.terminate_child("scarce")
-        joined.set()  # a node joins after the child was stopped: it stays stopped
-        await asyncio.sleep(0.05)
+        # Its wait was cancelled with it: a node that joins later starts nothing.
+        await wait_until(lambda: placement.waits_cancelled == ["scarce"], what="the wait cancelled")
+        joined.set()
         entry = find(await sup.snapshot(), "scarce")
         assert entry["state"] == "stopped" and entry["pids"] == []
         with pytest.raises(ActorDead):
