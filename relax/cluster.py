@@ -196,6 +196,7 @@ def _placement(role: Any) -> Placement:
             num_cpus=ray.num_cpus,
             num_gpus=ray.num_gpus,
             resources=dict(ray.resources),
+            strategy=ray.strategy,
         )
     raise ConfigError(f"placement {role.placement!r} is not built; use 'process' or 'inproc'")
 

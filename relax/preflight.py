@@ -146,16 +146,7 @@ def _children(cfg: ClusterConfig) -> list[tuple[str, Any]]:
 
 
 def _unbuilt(cfg: ClusterConfig) -> list[ConfigIssue]:
-    issues = [
-        ConfigIssue(
-            f"{key}.gang",
-            f'a gang ({child.gang} processes) on placement "ray" is not built yet'
-            " (one Ray placement group per gang is planned)",
-            hint='use placement = "process" for a gang, or gang = 1 on Ray',
-        )
-        for key, child in _children(cfg)
-        if child.placement == "ray" and child.gang > 1
-    ]
+    issues: list[ConfigIssue] = []
     if cfg.cluster.ports.bus and cfg.bus_transport != "tcp":
         issues.append(
             ConfigIssue(

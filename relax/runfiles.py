@@ -46,6 +46,11 @@ can take it first — and where the other ranks read it. Set by the process plac
 (``relax.actors``), read by ``relax.transport``'s ``init_world``."""
 
 
+GANG_PORT_FILE = "port"
+"""The file of a gang's rendezvous folder that holds its rank 0's store port (written
+atomically: rank 0, or on Ray the member's launcher relaying it from rank 0's node)."""
+
+
 CONTROL_FILE = "control.json"
 """Name of the file in a run folder that says how to reach its running cluster."""
 

@@ -142,8 +142,10 @@ async def start_member(
     options: ProcessOptions,
     rank: int,
     gang_env: dict[str, str],
+    extra: Mapping[str, Any] | None = None,
 ) -> Member:
-    """Start member ``rank`` of ``spec`` as a ``cls`` (``ProcessMember`` or a subclass)."""
+    """Start member ``rank`` of ``spec`` as a ``cls`` (``ProcessMember`` or a subclass, which
+    takes ``extra`` as further keyword arguments)."""
     member = cls(
         actor_id=spec.id,
         target=import_path(spec.start),  # type: ignore[arg-type]
@@ -153,6 +155,7 @@ async def start_member(
         size=spec.gang,
         options=options,
         gang_env=gang_env,
+        **(extra or {}),
     )
     await member.start()
     return member  # type: ignore[return-value]

@@ -1,10 +1,11 @@
 """The ``Ray`` placement: each member runs on a Ray node, in the same child host as ``Process``.
 
-A member is two processes on the node Ray picks: a small Ray actor (``_Launcher``) and, under
-it, the very child ``relax.actors._host`` that ``Process`` runs, spawned by that actor. The
-child dials the supervisor over the same PAIR protocol (tcp), so calls, casts, heartbeats,
-hung-loop detection and ``ActorDead`` for pending calls are the process placement's, reused
-(``RayMember`` is a ``ProcessMember`` with another way to spawn and to see the end).
+A member is two processes on the node Ray picks: a small Ray actor (``_Launcher``, in
+``_ray_node.py``) and, under it, the very child ``relax.actors._host`` that ``Process`` runs,
+spawned by that actor. The child dials the supervisor over the same PAIR protocol (tcp), so
+calls, casts, heartbeats, hung-loop detection and ``ActorDead`` for pending calls are the
+process placement's, reused (``RayMember`` is a ``ProcessMember`` with another way to spawn
+and to see the end).
 
 One supervisor decides: the Ray actor has ``max_restarts=0`` and ``max_task_retries=0``, so
 Ray never restarts it behind our back. The supervisor awaits a long-running method of it
@@ -17,11 +18,16 @@ Ray never restarts it behind our back. The supervisor awaits a long-running meth
   left the cluster), ``oom`` (Ray's memory monitor), ``placement`` (no node could host it) or
   ``ray`` (any other death Ray reports). The child is gone with it (``PR_SET_PDEATHSIG``).
 
-``ray`` is imported only here, and only when a Ray member starts: nothing else pays for it.
-A child no live node can host (its resource is on no node, or its node was lost) fails to
-start with a ``placement`` cause, and the placement's ``wait_for_resources`` tells the
-supervisor when one could: the child shows ``waiting`` meanwhile, without burning restart
-intensity. Not built yet: gangs (one placement group per gang), and children on other
+A gang is one Ray placement group per start (one bundle per member, the role's ``strategy``:
+``STRICT_PACK`` keeps it on one node, ``SPREAD`` spreads it), removed when that start ends;
+its members meet on a store rank 0 hosts on its node (``MASTER_ADDR``), through rendezvous
+folders the launchers keep in step across nodes. The supervisor's ``Incarnation`` makes it one
+unit: a member's end ends the others, and the restart places a new group.
+
+A child no live node can host (its resource is on no node, its node was lost, no node is
+large enough for its ``STRICT_PACK`` gang) fails to start with a ``placement`` cause, and the
+placement's ``wait_for_resources`` tells the supervisor when one could: the child shows
+``waiting`` meanwhile, without burning restart intensity. Not built yet: children on other
 machines (the child dials the supervisor on 127.0.0.1).
 """
 
@@ -29,23 +35,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
-import signal
-import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from relax.actors._exit import Exit
 from relax.actors._placement import Incarnation, LaunchSpec, Member, Process, start_member
-from relax.actors._process import _CHILD_BOOT, ProcessMember, ProcessOptions
+from relax.actors._process import ProcessMember, ProcessOptions
+from relax.actors._ray_node import connected_ray, launcher_class
 from relax.errors import MissingPackage, StartFailed
 
 RAY_INSTALL_HINT = 'pip install -e ".[ray]"'
 """How to install the optional Ray extra (the preflight names it when ray is missing)."""
 
+GangStrategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
+"""Ray's placement-group strategies, for where a gang's members go."""
+
 _KILL_GRACE = 5.0
 """Seconds the launcher gets to SIGKILL its child before the Ray actor itself is killed."""
+
+_LAUNCHER_OPTIONS = {"max_restarts": 0, "max_task_retries": 0, "max_concurrency": 4}
+"""Ray never restarts a launcher (our supervisor decides); ``wait`` runs beside the rest."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +76,10 @@ class Ray(ProcessOptions):
     """GPUs one member reserves; Ray sets ``CUDA_VISIBLE_DEVICES`` for it."""
     resources: Mapping[str, float] = field(default_factory=dict)
     """Custom Ray resources one member needs (``{"node-b": 0.01}`` pins it to that node)."""
+    strategy: GangStrategy = "STRICT_PACK"
+    """Where a gang's members go: its placement group's strategy (``STRICT_PACK``: one node;
+    ``PACK``: as few nodes as fit; ``SPREAD``: across nodes where it can; ``STRICT_SPREAD``:
+    each on a node of its own). A single member ignores it."""
     kind: Literal["ray"] = field(default="ray", init=False)
 
     def __post_init__(self) -> None:
@@ -77,10 +93,10 @@ class Ray(ProcessOptions):
 
     def check(self, spec: LaunchSpec) -> None:
         Process().check(spec)  # importable target, args that cross the wire
-        if spec.gang > 1:
+        if spec.gang > 1 and not self.needs():
             raise ValueError(
-                f"child {spec.id!r}: a gang ({spec.gang} members) on Ray is not built yet;"
-                ' use placement "process" for gangs'
+                f"child {spec.id!r}: a gang member on Ray must reserve something (num_cpus,"
+                " num_gpus or a custom resource above 0): a placement group bundle cannot be empty"
             )
 
     def demand(self) -> dict[str, Any]:
@@ -92,158 +108,205 @@ class Ray(ProcessOptions):
         }
 
     def needs(self) -> dict[str, float]:
-        """What one member needs from a node, in Ray's resource names."""
+        """What one member needs from a node, in Ray's resource names (a gang's bundle)."""
         need = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
         return {name: amount for name, amount in need.items() if amount > 0}
 
+    def hostable(self, gang: int = 1) -> bool:
+        """Whether the live nodes, in all (used or not), could hold ``gang`` members."""
+        return _hostable(self.needs(), gang, self.strategy)
+
+    def unhostable(self, gang: int = 1) -> Exit:
+        """The cause of a start the live nodes cannot hold: the supervisor parks such a child."""
+        if gang == 1:
+            return Exit("placement", f"no live Ray node has {self.needs()}")
+        return Exit(
+            "placement",
+            f"the live Ray nodes cannot hold {gang} members of {self.needs()} ({self.strategy})",
+        )
+
     async def wait_for_resources(self, spec: LaunchSpec, poll: float = 0.5) -> None:
-        """Until some live node of the cluster has, in all, what a member needs (a node was
-        added, or came back); the supervisor then starts the waiting child again."""
+        """Until the live nodes could hold the child (a node was added, or came back); the
+        supervisor then starts the waiting child again."""
         # Ray's control store has no subscription for "a node joined" in its public API: ask.
         while True:
-            if await asyncio.to_thread(_hostable, self.needs()):
+            if await asyncio.to_thread(self.hostable, spec.gang):
                 return
             await asyncio.sleep(poll)
 
     async def launch(self, spec: LaunchSpec) -> Incarnation:
-        _ray()  # fail here, named, when ray is missing or not connected
-        if not await asyncio.to_thread(_hostable, self.needs()):
-            # Ray would queue the actor forever: say so now, and let the supervisor wait.
-            cause = _unhostable(self.needs())
+        connected_ray()  # fail here, named, when ray is missing or not connected
+        if not await asyncio.to_thread(self.hostable, spec.gang):
+            # Ray would queue it forever: say so now, and let the supervisor wait.
+            cause = self.unhostable(spec.gang)
             raise StartFailed(f"{spec.id}: {cause.describe()}", actor_id=spec.id, cause=cause)
+        if spec.gang > 1:
+            return await _launch_gang(self, spec)
 
         async def start(rank: int) -> Member:
             return await start_member(RayMember, spec, self, rank, {})
 
-        return await Incarnation.launch(spec.id, [start] * spec.gang)
+        return await Incarnation.launch(spec.id, [start])
 
 
-_LAUNCHER: Any = None
-"""``ray.remote(_Launcher)``, made once: Ray exports a remote class each time it is made."""
+async def _launch_gang(opts: Ray, spec: LaunchSpec) -> Incarnation:
+    """One start of a gang: a placement group, one launcher in each bundle, the members."""
+    ray = connected_ray()
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-
-def _launcher_class() -> Any:
-    global _LAUNCHER
-    if _LAUNCHER is None:
-        _LAUNCHER = _ray().remote(_Launcher)
-    return _LAUNCHER
-
-
-def _ray() -> Any:
-    """The ``ray`` module, connected; ``MissingPackage`` or ``RuntimeError`` saying why not."""
+    group = ray.util.placement_group([opts.needs()] * spec.gang, strategy=opts.strategy)
     try:
-        import ray
-    except ImportError:
-        raise MissingPackage("ray", 'placement "ray"', extra="ray") from None
-    if not ray.is_initialized():
-        raise RuntimeError(
-            'placement "ray": this process is not connected to Ray'
-            " (relax.cluster connects for [cluster.ray]; call ray.init() or use ray_session())"
+        await _placing(
+            spec.id, opts, spec.gang, asyncio.wrap_future(group.ready().future()), group=True
         )
-    return ray
-
-
-class _Launcher:
-    """The Ray actor of one member: spawns the child host on its node and reports its end.
-
-    An async actor on purpose: its methods run on one event-loop thread that lives as long as
-    the actor, and the child's ``PR_SET_PDEATHSIG`` follows the thread that spawned it.
-    """
-
-    def __init__(self) -> None:
-        self._proc: asyncio.subprocess.Process | None = None
-
-    async def spawn(self, env: dict[str, str]) -> dict[str, Any]:
-        import ray
-
-        self._proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            _CHILD_BOOT,
-            env={**os.environ, **env},  # the node's own environment (CUDA_VISIBLE_DEVICES, ...)
-            stdin=asyncio.subprocess.DEVNULL,
+        launchers = [
+            launcher_class()
+            .options(
+                **opts.demand(),
+                **_LAUNCHER_OPTIONS,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=rank
+                ),
+            )
+            .remote()
+            for rank in range(spec.gang)
+        ]
+        where = await _placing(
+            spec.id,
+            opts,
+            spec.gang,
+            asyncio.gather(*(asyncio.wrap_future(h.where.remote().future()) for h in launchers)),
         )
-        context = ray.get_runtime_context()
-        return {
-            "pid": self._proc.pid,
-            "ray_pid": os.getpid(),
-            "node_id": context.get_node_id(),
-            "node_ip": ray.util.get_node_ip_address(),
-            "ray_actor_id": context.get_actor_id(),
+        envs = _gang_envs(where, gpus=opts.num_gpus > 0)
+
+        def starter(rank: int) -> Any:
+            async def start(_: int) -> Member:
+                leader = launchers[0] if rank else None
+                extra = {"launcher": launchers[rank], "leader": leader}
+                return await start_member(RayMember, spec, opts, rank, envs[rank], extra)
+
+            return start
+
+        incarnation = await Incarnation.launch(spec.id, [starter(r) for r in range(spec.gang)])
+    except BaseException:
+        _remove_group(group)  # its launchers (and their children) go with it
+        raise
+    incarnation.done.add_done_callback(lambda _: _remove_group(group))
+    return incarnation
+
+
+def _gang_envs(where: list[dict[str, Any]], *, gpus: bool) -> list[dict[str, str]]:
+    """Each member's torch.distributed environment: rank 0's node hosts the store
+    (``MASTER_ADDR``); ``LOCAL_RANK`` counts the members on a node — except with GPUs, where
+    Ray shows each member only its own (``CUDA_VISIBLE_DEVICES``), so each is device 0."""
+    size = len(where)
+    per_node: dict[str, int] = {}
+    local: list[int] = []
+    for w in where:
+        local.append(per_node.get(w["node_id"], 0))
+        per_node[w["node_id"]] = local[-1] + 1
+    return [
+        {
+            "MASTER_ADDR": where[0]["ip"],
+            "MASTER_PORT": str(where[0]["port"]),
+            "WORLD_SIZE": str(size),
+            "RANK": str(rank),
+            "LOCAL_RANK": "0" if gpus else str(local[rank]),
+            "LOCAL_WORLD_SIZE": "1" if gpus else str(per_node[w["node_id"]]),
         }
+        for rank, w in enumerate(where)
+    ]
 
-    async def wait(self) -> int:
-        assert self._proc is not None
-        return await self._proc.wait()
 
-    async def kill(self) -> None:
-        if self._proc is not None and self._proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.send_signal(signal.SIGKILL)
+def _remove_group(group: Any) -> None:
+    with contextlib.suppress(Exception):  # Ray disconnected at the end of a run: gone anyway
+        connected_ray().util.remove_placement_group(group)
 
 
 class _Unhostable(Exception):
-    """While a member waited to be placed, every node that could host it left."""
+    """While it waited to be placed, every node that could host it left."""
+
+
+async def _placing(
+    actor_id: str,
+    opts: Ray,
+    gang: int,
+    placed: asyncio.Future[Any],
+    *,
+    group: bool = False,
+) -> Any:
+    """``placed``'s result once Ray placed what it waits on, within ``start_timeout``; a
+    ``StartFailed`` with a ``placement`` cause when it timed out or the live nodes could no
+    longer hold it (a node was just lost), with Ray's own cause when Ray refused it."""
+    try:
+        return await _await_placement(placed, opts.start_timeout, lambda: opts.hostable(gang))
+    except _Unhostable:
+        cause = opts.unhostable(gang)
+    except asyncio.TimeoutError:
+        what = f"a placement group of {gang} x {opts.needs()}" if group else opts.demand()
+        cause = Exit(
+            "placement", f"no Ray node could host it within {opts.start_timeout:g}s ({what})"
+        )
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        cause = await _ray_exit(exc, None)
+    raise StartFailed(f"{actor_id}: {cause.describe()}", actor_id=actor_id, cause=cause)
+
+
+async def _await_placement(
+    placed: asyncio.Future[Any], timeout: float, hostable: Callable[[], bool]
+) -> Any:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    try:
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise asyncio.TimeoutError
+            done, _ = await asyncio.wait({placed}, timeout=min(1.0, left))
+            if done:
+                return placed.result()
+            if not await asyncio.to_thread(hostable):
+                raise _Unhostable
+    finally:
+        placed.cancel()  # a no-op once it is done
 
 
 class RayMember(ProcessMember):
-    """A ``ProcessMember`` whose child a Ray actor spawns on the node Ray chose."""
+    """A ``ProcessMember`` whose child a Ray actor spawns on the node Ray chose.
+
+    A gang's member gets its ``launcher`` already placed in the gang's placement group, and,
+    above rank 0, the ``leader`` (rank 0's launcher) its rendezvous folder is kept in step with.
+    """
 
     placement_kind = "ray"
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, launcher: Any = None, leader: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._handle: Any = None
+        self._handle: Any = launcher
+        self._gang_member = launcher is not None
+        self._leader = leader
         self._ended: Any = None  # the ObjectRef of the launcher's `wait`
         self._where: dict[str, Any] = {}
 
     async def _spawn(self, env: dict[str, str]) -> None:
         opts = self._options
         assert isinstance(opts, Ray)
-        launcher = _launcher_class().options(
-            **opts.demand(), max_restarts=0, max_task_retries=0, max_concurrency=4
-        )
-        self._handle = launcher.remote()
+        if self._handle is None:
+            self._handle = launcher_class().options(**opts.demand(), **_LAUNCHER_OPTIONS).remote()
+        spawned = self._handle.spawn.remote(env, self._gang_member, self._leader)
         try:
-            self._where = await self._placed(
-                asyncio.wrap_future(self._handle.spawn.remote(env).future()), opts
+            self._where = await _placing(
+                self.actor_id, opts, 1, asyncio.wrap_future(spawned.future())
             )
-        except BaseException as exc:
+        except BaseException:
             self._release()
             if self._channel is not None:
                 self._channel.close()
-            if isinstance(exc, _Unhostable):
-                cause = _unhostable(opts.needs())
-            elif isinstance(exc, asyncio.TimeoutError):
-                cause = Exit(
-                    "placement",
-                    f"no Ray node could host it within {opts.start_timeout:g}s"
-                    f" (it asks for {opts.demand()})",
-                )
-            elif isinstance(exc, Exception):
-                cause = await _ray_exit(exc, None)
-            else:
-                raise
-            raise StartFailed(
-                f"{self.actor_id}: {cause.describe()}", actor_id=self.actor_id, cause=cause
-            ) from None
+            raise
         self.pid = int(self._where["pid"])
         self._ended = asyncio.wrap_future(self._handle.wait.remote().future())
-
-    async def _placed(self, spawned: asyncio.Future[Any], opts: Ray) -> dict[str, Any]:
-        """``spawned``'s result once Ray placed the launcher, within ``start_timeout``; raises
-        ``_Unhostable`` as soon as no live node could host it (its node was just lost)."""
-        deadline = asyncio.get_running_loop().time() + opts.start_timeout
-        while True:
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                raise asyncio.TimeoutError
-            done, _ = await asyncio.wait({spawned}, timeout=min(1.0, left))
-            if done:
-                return spawned.result()
-            if not await asyncio.to_thread(_hostable, opts.needs()):
-                spawned.cancel()
-                raise _Unhostable
 
     async def _process_end(self) -> Exit:
         try:
@@ -264,7 +327,7 @@ class RayMember(ProcessMember):
     def _release(self) -> None:
         if self._handle is not None:
             with contextlib.suppress(Exception):
-                _ray().kill(self._handle, no_restart=True)
+                connected_ray().kill(self._handle, no_restart=True)
 
     def statistics(self) -> dict[str, Any]:
         where = {k: self._where.get(k) for k in ("node_id", "node_ip", "ray_actor_id", "ray_pid")}
@@ -297,22 +360,27 @@ def _detail(text: str) -> str:
     return " ".join(keep)[:400]
 
 
-def _unhostable(needs: Mapping[str, float]) -> Exit:
-    """The cause of a start no live node could host: the supervisor parks such a child."""
-    return Exit("placement", f"no live Ray node has {dict(needs)}")
-
-
-def _hostable(needs: Mapping[str, float]) -> bool:
-    """Whether a live node has, in all (used or not), every resource in ``needs``."""
+def _hostable(needs: Mapping[str, float], gang: int = 1, strategy: str = "STRICT_PACK") -> bool:
+    """Whether the live nodes, in all (used or not), could hold ``gang`` members of ``needs``
+    placed by ``strategy`` (a single member: some node has every resource it needs)."""
     import ray
 
     try:
         nodes = ray.nodes()
     except Exception:  # the control store is unreachable: let Ray's own placement decide
         return True
-    return any(
-        n["Alive"] and all(n["Resources"].get(k, 0.0) >= v for k, v in needs.items()) for n in nodes
-    )
+    holds = [_members_fit(n["Resources"], needs) for n in nodes if n["Alive"]]
+    if strategy == "STRICT_PACK":
+        return max(holds, default=0) >= gang
+    if strategy == "STRICT_SPREAD":
+        return sum(1 for h in holds if h >= 1) >= gang
+    return sum(holds) >= gang
+
+
+def _members_fit(has: Mapping[str, float], needs: Mapping[str, float]) -> float:
+    """How many members of ``needs`` a node with ``has`` holds, in all."""
+    # Ray counts resources in units of 1e-4: 1.0 / 0.1 is 10 members, not 9.9999.
+    return min((math.floor(has.get(k, 0.0) / v + 1e-6) for k, v in needs.items()), default=math.inf)
 
 
 def _node_alive(node_id: str) -> bool:

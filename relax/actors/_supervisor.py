@@ -487,6 +487,10 @@ class Supervisor(Actor):
     async def _child_snapshot(self, child: _Child) -> dict[str, Any]:
         incarnation = child.incarnation
         live = child.state == "running" and incarnation is not None and not incarnation.done.done()
+        state = child.state
+        if state == "running" and (incarnation is None or not incarnation.alive):
+            # A member has ended and the verdict is a loop turn away: say so, not "running".
+            state = "exited"
         nested = _supervisor_in(incarnation) if live and incarnation is not None else None
         data: dict[str, Any] = {
             "id": child.spec.id,
@@ -496,8 +500,8 @@ class Supervisor(Actor):
             "placement": child.spec.placement.kind,
             "gang": child.spec.gang,
             "restart": child.spec.restart.value,
-            "state": child.state,
-            "waiting": child.waiting if child.state == "waiting" else None,
+            "state": state,
+            "waiting": child.waiting if state == "waiting" else None,
             "pids": incarnation.pids if live and incarnation is not None else [],
             "restart_count": child.restarts,
             "started_at": child.started_at,

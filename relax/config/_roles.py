@@ -59,6 +59,8 @@ class RayOptions(ConfigModel):
     """Custom Ray resources it needs, e.g. {"node-b" = 0.01} to pin it to the node started with that resource."""
     start_timeout: Seconds = 60.0
     """Seconds Ray gets to place and start it; a child no node can host within this fails to start."""
+    strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    """Where a gang's members go (one Ray placement group per start of the gang): "STRICT_PACK" all on one node, "PACK" on as few nodes as fit, "SPREAD" across nodes where it can, "STRICT_SPREAD" each on a node of its own. A gang of one ignores it."""
 
     @field_validator("resources")
     @classmethod
@@ -76,7 +78,7 @@ class ChildConfig(ConfigModel):
     """Settings every supervised child has: where it runs and how it is restarted and watched."""
 
     placement: Placement = "inproc"
-    """Where it runs: "inproc" (an asyncio task in the supervisor's process), "process" (its own OS process) or "ray" (its own process, started by a Ray actor on a node chosen by `[<role>.ray]`; needs `pip install -e ".[ray]"`, and gangs on Ray are not built yet)."""
+    """Where it runs: "inproc" (an asyncio task in the supervisor's process), "process" (its own OS process) or "ray" (its own process, started by a Ray actor on a node chosen by `[<role>.ray]`, a gang in one Ray placement group; needs `pip install -e ".[ray]"`)."""
     restart: Restart = "permanent"
     """When it is restarted: "permanent" (always), "transient" (only after a crash) or "temporary" (never)."""
     shutdown: Shutdown | None = None
@@ -121,6 +123,18 @@ class ChildConfig(ConfigModel):
                 "ray",
                 f'only applies with placement "ray", but placement is "{self.placement}"',
                 'set placement = "ray", or remove the table',
+            )
+        ray = self.ray
+        if (
+            self.gang > 1
+            and self.placement == "ray"
+            and not (ray.num_cpus or ray.num_gpus or ray.resources)
+        ):
+            problems.add(
+                ("ray", "num_cpus"),
+                f"a gang of {self.gang} on Ray reserves one placement-group bundle per member,"
+                " and a bundle cannot be empty: num_cpus, num_gpus and resources are all 0",
+                "reserve something per member, e.g. num_cpus = 0.5",
             )
         if self.gang > 1 and self.placement == "inproc":
             problems.add(

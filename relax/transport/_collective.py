@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from relax.runfiles import GANG_RENDEZVOUS_ENV
+from relax.runfiles import GANG_PORT_FILE, GANG_RENDEZVOUS_ENV
 from relax.transport._rendezvous import host_store, join_store
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=24)
@@ -91,7 +91,7 @@ def gang_store(folder: Path, rank: int, world_size: int) -> Any:
     writes the port it got to ``folder/port`` (atomically); the other ranks wait for that file,
     then connect. Sets ``MASTER_PORT`` to the real port, for code that reads it later."""
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port_file = folder / "port"
+    port_file = folder / GANG_PORT_FILE
     if rank == 0:
         store, port = host_store(host, 0, STORE_TIMEOUT, world_size=world_size, what="gang's store")
         partial = folder / f"port.{os.getpid()}.partial"

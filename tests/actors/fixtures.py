@@ -158,3 +158,32 @@ class FailRestart(Actor):
 
     def pid(self) -> int:
         return os.getpid()
+
+
+class GangWorld(Actor):
+    """A gang member that joins its gang's torch.distributed world in ``on_start``, as a
+    trainer rank does, and answers with what the world and its environment say."""
+
+    async def on_start(self) -> None:
+        from relax.transport import init_world
+
+        await asyncio.to_thread(init_world, self.context.rank, self.context.size)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def env(self) -> dict[str, str | None]:
+        names = ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+        names += ("RELAX_GANG_RENDEZVOUS",)
+        return {name: os.environ.get(name) for name in names}
+
+    async def gather_pids(self) -> list[int]:
+        """Every member's pid, gathered over the gang's world (all members call it at once)."""
+        import json
+
+        from relax.transport import all_gather_bytes
+
+        def gather() -> list[int]:
+            return [json.loads(b) for b in all_gather_bytes(json.dumps(os.getpid()).encode())]
+
+        return await asyncio.to_thread(gather)

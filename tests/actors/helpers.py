@@ -39,11 +39,13 @@ async def restarted(
     *,
     states: tuple[str, ...] = ("running",),
 ) -> None:
-    """Wait until child ``path`` of ``tree`` is in one of ``states`` without ``old_pid``."""
+    """Wait until child ``path`` of ``tree`` is in one of ``states``, its processes up, and
+    ``old_pid`` not among them."""
 
     async def back() -> bool:
         entry = find(await tree.snapshot(), path)
-        return entry["state"] in states and old_pid not in entry["pids"]
+        pids = entry["pids"]
+        return entry["state"] in states and bool(pids) and old_pid not in pids
 
     await wait_until(back, timeout=timeout, what=f"{path} restarted")
 

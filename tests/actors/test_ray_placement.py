@@ -18,16 +18,16 @@ import pytest
 
 from relax.actors import RAY_INSTALL_HINT, ChildSpec, Ray, Supervisor
 from relax.config import parse_config
-from relax.errors import ActorDead, CallTimeout, StartFailed
+from relax.errors import ActorDead, CallTimeout, ConfigError, StartFailed
 from relax.preflight import preflight
-from tests.actors.fixtures import Echo
+from tests.actors.fixtures import Echo, GangWorld
 from tests.actors.helpers import find, pid_alive
 from tests.optional import require
 from tests.polling import wait_until
+from tests.ray_nodes import add_node, loopback_cluster
 
 try:
     import ray
-    from ray.cluster_utils import Cluster
 except ImportError:  # the fixture below decides: skip, or fail under RELAX_REQUIRE_RAY=1
     ray = None
 
@@ -42,24 +42,8 @@ def _require_ray() -> None:
 def cluster() -> Any:
     """A head (2 CPUs) and ``node-b`` (1 CPU, resource ``node-b``), both on 127.0.0.1."""
     _require_ray()
-    with pytest.MonkeyPatch.context() as env:
-        # Every raylet on loopback (else Ray's control store binds eth0), no token auth.
-        env.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        env.setenv("RAY_AUTH_MODE", "disabled")
-        # Ray read that variable when it was imported: this process needs the constant too.
-        env.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
-        local = {"node_ip_address": "127.0.0.1"}
-        nodes = Cluster(
-            initialize_head=True,
-            connect=True,
-            head_node_args={"num_cpus": 2, "include_dashboard": False, **local},
-        )
-        try:
-            nodes.node_b = nodes.add_node(num_cpus=1, resources={"node-b": 1}, **local)
-            yield nodes
-        finally:
-            ray.shutdown()
-            nodes.shutdown()
+    with loopback_cluster(2, node_b={"num_cpus": 1, "resources": {"node-b": 1}}) as nodes:
+        yield nodes
 
 
 def _alive_nodes() -> set[str]:
@@ -166,7 +150,7 @@ async def test_a_child_no_node_can_host_waits_for_resources_without_burning_inte
         pending = asyncio.create_task(sup.ref("nowhere").call("add", 2, b=3, timeout=60))
         assert find(await sup.snapshot(), "nowhere")["state"] == "waiting"  # it ran meanwhile
         assert not pending.done()  # a caller waits for the child, as during a restart
-        node_c = cluster.add_node(num_cpus=1, resources={"node-c": 1})
+        node_c = add_node(cluster, num_cpus=1, resources={"node-c": 1})
         try:
             assert await pending == 5  # it started once a node with node-c joined
             entry = find(await sup.snapshot(), "nowhere")
@@ -189,6 +173,118 @@ async def test_hung_ray_child_is_caught_by_heartbeats(cluster) -> None:
             await sup.ref("h").call("block", 60, timeout=20)
         assert await sup.ref("h").call("pid", timeout=20) != old
         assert find(await sup.snapshot(), "h")["last_crash"]["kind"] == "heartbeat"
+
+
+def _groups(state: str = "CREATED") -> list[dict[str, Any]]:
+    """Ray's placement groups in ``state`` (from its control store)."""
+    return [g for g in ray.util.placement_group_table().values() if g["state"] == state]
+
+
+async def _gang_pids(sup: Supervisor, child: str) -> list[list[int]]:
+    """Every member's pid as each member gathered them over the gang's torch world."""
+    ref = sup.ref(child)
+    return list(
+        await asyncio.gather(
+            ref.call("gather_pids", timeout=60), ref.rank(1).call("gather_pids", timeout=60)
+        )
+    )
+
+
+async def _members(sup: Supervisor, child: str) -> list[dict[str, Any]]:
+    return find(await sup.snapshot(), child)["stats"]["members"]
+
+
+@slow
+@pytest.mark.anyio
+async def test_a_strict_pack_gang_is_one_placement_group_and_restarts_as_a_unit(cluster) -> None:
+    # node-b has 1 CPU: both members (0.5 each) fit there, and only together.
+    placement = Ray(num_cpus=0.5, resources={"node-b": 0.1}, start_timeout=60)
+    spec = ChildSpec("pack", GangWorld, placement=placement, gang=2)
+    async with Supervisor([spec], intensity=3) as sup:
+        ref = sup.ref("pack")
+        members = await _members(sup, "pack")
+        assert [m["node_id"] for m in members] == [cluster.node_b.node_id] * 2
+        old = find(await sup.snapshot(), "pack")["pids"]
+        assert await _gang_pids(sup, "pack") == [old, old]  # one world, both ranks in it
+        envs = [await ref.call("env"), await ref.rank(1).call("env")]
+        assert [(e["RANK"], e["LOCAL_RANK"]) for e in envs] == [("0", "0"), ("1", "1")]
+        assert {(e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["MASTER_ADDR"]) for e in envs} == {
+            ("2", "2", "127.0.0.1")
+        }
+        [group] = _groups()
+        assert group["strategy"] == "STRICT_PACK" and len(group["bundles"]) == 2, group
+
+        os.kill(old[1], signal.SIGKILL)
+
+        async def both_new() -> bool:
+            entry = find(await sup.snapshot(), "pack")
+            return entry["state"] == "running" and not set(entry["pids"]) & set(old)
+
+        await wait_until(both_new, timeout=60, what="both gang members restarted")
+        await wait_until(lambda: not pid_alive(old[0]), what="the surviving member killed")
+        entry = find(await sup.snapshot(), "pack")
+        crash = entry["last_crash"]
+        assert crash["member"] == 1 and crash["signal"] == "SIGKILL", crash
+        assert entry["restart_count"] == 1
+        new = entry["pids"]
+        assert await _gang_pids(sup, "pack") == [new, new]  # a new world, both in it
+        # The restart placed a new group; the old one was removed with the old start.
+        [regroup] = _groups()
+        assert regroup["placement_group_id"] != group["placement_group_id"]
+        assert group["placement_group_id"] in {g["placement_group_id"] for g in _groups("REMOVED")}
+    await wait_until(lambda: not _groups(), what="the gang's placement group removed at stop")
+    assert not any(pid_alive(p) for p in new)
+
+
+@slow
+@pytest.mark.anyio
+async def test_a_strict_spread_gang_meets_across_nodes_through_relayed_rendezvous(
+    cluster,
+) -> None:
+    placement = Ray(num_cpus=0.5, strategy="STRICT_SPREAD", start_timeout=60)
+    spec = ChildSpec("spread", GangWorld, placement=placement, gang=2)
+    async with Supervisor([spec], intensity=3) as sup:
+        ref = sup.ref("spread")
+        nodes = [m["node_id"] for m in await _members(sup, "spread")]
+        assert len(set(nodes)) == 2 and cluster.node_b.node_id in nodes
+        pids = find(await sup.snapshot(), "spread")["pids"]
+        assert await _gang_pids(sup, "spread") == [pids, pids]
+        envs = [await ref.call("env"), await ref.rank(1).call("env")]
+        # Each member is alone on its node, with a rendezvous folder of its own there, which
+        # its launcher filled with the port rank 0's store bound on rank 0's node.
+        assert [(e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [("0", "1")] * 2
+        folders = [e["RELAX_GANG_RENDEZVOUS"] for e in envs]
+        assert folders[0] != folders[1] and all(folders)
+        [group] = _groups()
+        assert group["strategy"] == "STRICT_SPREAD"
+    assert not any(Path(f).exists() for f in folders)  # the launchers removed them
+
+
+@slow
+@pytest.mark.anyio
+async def test_a_gang_no_node_can_hold_together_waits_until_one_joins(cluster) -> None:
+    # Three members of one CPU each: the cluster has 3 CPUs, but no node holds 3.
+    placement = Ray(num_cpus=1, start_timeout=30)
+    spec = ChildSpec("big", GangWorld, placement=placement, gang=3)
+    assert Ray(num_cpus=1, strategy="SPREAD").hostable(3) and not placement.hostable(3)
+    async with Supervisor([spec], intensity=0) as sup:
+        entry = find(await sup.snapshot(), "big")
+        assert entry["state"] == "waiting", entry
+        assert "cannot hold 3 members" in entry["waiting"] and "STRICT_PACK" in entry["waiting"]
+        assert not _groups("PENDING")  # nothing left queued in Ray meanwhile
+        big = add_node(cluster, num_cpus=3)
+        try:
+
+            async def running() -> list[dict[str, Any]] | None:
+                entry = find(await sup.snapshot(), "big")
+                return entry["stats"]["members"] if entry["state"] == "running" else None
+
+            members = await wait_until(running, timeout=60, what="the gang placed on the new node")
+            assert [m["node_id"] for m in members] == [big.node_id] * 3
+            assert (await sup.snapshot())["restarts_in_period"] == 0
+        finally:
+            await sup.terminate_child("big")
+            cluster.remove_node(big)
 
 
 @slow
@@ -227,7 +323,7 @@ async def test_a_child_pinned_to_a_node_survives_that_node_s_loss(cluster) -> No
         entry = await wait_until(waiting, timeout=30, what="the child to wait for node-b")
         assert "node-b" in entry["waiting"], entry
         assert (await sup.snapshot())["restarts_in_period"] == 1  # the node loss, only
-        cluster.node_b = cluster.add_node(num_cpus=1, resources={"node-b": 1})
+        cluster.node_b = add_node(cluster, num_cpus=1, resources={"node-b": 1})
         await wait_until(
             lambda: _answers_from_a_new_pid(sup, "pinned", old), timeout=60, what="a restart"
         )
@@ -261,12 +357,37 @@ def test_without_ray_the_preflight_names_the_extra(monkeypatch) -> None:
     assert [(i.path, i.hint) for i in issues] == [("rollout.placement", 'pip install -e ".[ray]"')]
 
 
-def test_a_gang_on_ray_is_refused_until_it_is_built() -> None:
+def test_a_gang_on_ray_passes_the_preflight_unless_its_bundle_is_empty() -> None:
     _require_ray()
-    issues = preflight(_cfg('[rollout]\nplacement = "ray"\ngang = 2\n'))
-    assert [i.path for i in issues] == ["rollout.gang"]
-    with pytest.raises(ValueError, match="gang"):
-        ChildSpec("g", Echo, placement=Ray(), gang=2)
+    gang = '[trainer]\nbackend = "deepspeed"\nplacement = "ray"\ngang = 2\n[trainer.ray]\n'
+    cfg = _cfg(gang + 'strategy = "SPREAD"\n')
+    assert preflight(cfg) == [] and cfg.trainer.ray.strategy == "SPREAD"
+    with pytest.raises(ConfigError) as info:
+        _cfg(gang + "num_cpus = 0\n")
+    assert "trainer.ray.num_cpus" in str(info.value) and "bundle" in str(info.value)
+    with pytest.raises(ValueError, match="bundle cannot be empty"):
+        ChildSpec("g", Echo, placement=Ray(num_cpus=0), gang=2)
+    ChildSpec("g", Echo, placement=Ray(num_cpus=0), gang=1)  # a single member may ask nothing
+
+
+def test_how_many_members_the_live_nodes_hold_follows_the_strategy(monkeypatch) -> None:
+    _require_ray()
+
+    def node(cpus: float, alive: bool = True, **extra: float) -> dict[str, Any]:
+        return {"Alive": alive, "NodeID": "n", "Resources": {"CPU": cpus, **extra}}
+
+    nodes = [node(2), node(1, gpu_pool=1.0), node(8, alive=False)]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+
+    def holds(strategy: str, gang: int, **kw: Any) -> bool:
+        return Ray(strategy=strategy, **kw).hostable(gang)  # type: ignore[arg-type]
+
+    assert holds("STRICT_PACK", 2, num_cpus=1) and not holds("STRICT_PACK", 3, num_cpus=1)
+    assert holds("PACK", 3, num_cpus=1) and not holds("SPREAD", 4, num_cpus=1)  # dead node
+    assert holds("STRICT_SPREAD", 2, num_cpus=1) and not holds("STRICT_SPREAD", 3, num_cpus=0.1)
+    assert holds("STRICT_PACK", 10, num_cpus=0.2)  # 2 / 0.2 is 10 members, not 9.999
+    assert not holds("STRICT_PACK", 2, num_cpus=0.5, resources={"gpu_pool": 1})
+    assert holds("SPREAD", 1, num_cpus=0.5, resources={"gpu_pool": 1})
 
 
 def test_ray_options_become_the_placement(tmp_path: Path) -> None:
