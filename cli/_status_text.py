@@ -88,14 +88,22 @@ def state_label(child: ChildSnapshot) -> str:
 
 def placement_label(child: ChildSnapshot) -> str:
     """Where a child runs: its placement, and for a Ray-placed one the node hosting it
-    (``ray @ 127.0.0.1 node 1a2b3c4d``; a node id is 56 hex digits, 8 tell them apart)."""
+    (``ray @ 127.0.0.1 node 1a2b3c4d``; a node id is 56 hex digits, 8 tell them apart); a gang
+    spread over nodes names each (``ray @ 2 nodes: 1a2b3c4d, 5e6f7a8b``)."""
     placement = str(child.get("placement", ""))
     stats = child.get("stats") or {}
-    node = stats.get("node_id")
-    if not node:
+    members = stats.get("members") or [stats]  # a gang's stats are per member
+    nodes = list(
+        dict.fromkeys(
+            (m.get("node_ip"), str(m["node_id"])[:8]) for m in members if m.get("node_id")
+        )
+    )
+    if not nodes:
         return placement
-    where = f"{stats['node_ip']} " if stats.get("node_ip") else ""
-    return f"{placement} @ {where}node {str(node)[:8]}"
+    if len(nodes) > 1:
+        return f"{placement} @ {len(nodes)} nodes: " + ", ".join(node for _, node in nodes)
+    ip, node = nodes[0]
+    return f"{placement} @ {f'{ip} ' if ip else ''}node {node}"
 
 
 def flatten(

@@ -176,7 +176,9 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 """Read by torch (and the BLAS it uses) when it starts: a child's thread budget."""
 
 
-def _placement(role: Any) -> Placement:
+def _placement(role: Any, host: str = "127.0.0.1") -> Placement:
+    """Where ``role`` runs; ``host`` is where a Ray child (possibly on another node) dials its
+    supervisor: ``[cluster] host``."""
     if role.placement == "inproc":
         return InProc()
     threads = getattr(role, "threads", None)
@@ -197,6 +199,7 @@ def _placement(role: Any) -> Placement:
             num_gpus=ray.num_gpus,
             resources=dict(ray.resources),
             strategy=ray.strategy,
+            host=host,
         )
     raise ConfigError(f"placement {role.placement!r} is not built; use 'process' or 'inproc'")
 
@@ -280,7 +283,7 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
             child_id,
             cls,
             kwargs={**shared, **kwargs},
-            placement=_placement(role_cfg),
+            placement=_placement(role_cfg, cfg.cluster.host),
             restart=Restart(restart or role_cfg.restart),
             shutdown=cfg.shutdown_for(role_cfg),
             gang=role_cfg.gang,
@@ -319,7 +322,7 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
                 actor.id,
                 actor.start,
                 kwargs=dict(actor.kwargs),
-                placement=_placement(actor),
+                placement=_placement(actor, cfg.cluster.host),
                 restart=Restart(actor.restart),
                 shutdown=cfg.shutdown_for(actor),
                 gang=actor.gang,

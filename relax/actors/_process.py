@@ -55,7 +55,12 @@ class ProcessOptions:
     """How a process child is run and watched (the ``Process`` placement extends this)."""
 
     transport: Literal["ipc", "tcp"] = "ipc"
-    """``ipc`` (a Unix socket in a private directory) or ``tcp`` (on 127.0.0.1)."""
+    """``ipc`` (a Unix socket in a private directory) or ``tcp`` (on ``host``)."""
+    host: str = "127.0.0.1"
+    """Where this side listens for a ``tcp`` child, which dials it: loopback for a child of
+    this machine; for a Ray child on another node an address of this machine that node
+    reaches (``relax.cluster`` passes ``[cluster] host``). The child proves itself with a
+    one-time token before it is sent anything."""
     heartbeat_interval: float = 0.5
     """Seconds between heartbeats the child's event loop sends."""
     heartbeat_timeout: float = 10.0
@@ -107,6 +112,7 @@ class ProcessMember:
         self._last_seen = time.monotonic()
         self._tasks: list[asyncio.Task[None]] = []
         self._stats = {"calls": 0, "casts": 0, "heartbeats": 0, "bad_frames": 0}
+        self._address: str | None = None  # where the child dials this side
 
     # ------------------------------------------------------------------ start
 
@@ -118,10 +124,12 @@ class ProcessMember:
             addr = f"ipc://{self._dir}/{self.rank}.sock"
             sock.listen(addr)
         else:
-            sock.listen("tcp://127.0.0.1:0")
+            host = f"[{opts.host}]" if ":" in opts.host else opts.host  # an IPv6 literal
+            sock.listen(f"tcp://{host}:0")
             # str() and not .port: pynng 0.9 reports .port in network byte order.
             port = str(sock.listeners[0].local_address).rsplit(":", 1)[1]
-            addr = f"tcp://127.0.0.1:{port}"
+            addr = f"tcp://{host}:{port}"
+        self._address = addr
         self._channel = Channel(sock, f"supervisor->{self.actor_id}/{self.rank}")
         token = secrets.token_hex(16)
         env = {**self._gang_env, **dict(opts.env)}
@@ -331,4 +339,4 @@ class ProcessMember:
         await self._channel.send("cast", m=method, a=list(args), k=kwargs)
 
     def statistics(self) -> dict[str, Any]:
-        return {**self._stats, "pending_calls": len(self._pending)}
+        return {**self._stats, "pending_calls": len(self._pending), "address": self._address}

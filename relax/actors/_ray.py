@@ -330,7 +330,8 @@ class RayMember(ProcessMember):
                 connected_ray().kill(self._handle, no_restart=True)
 
     def statistics(self) -> dict[str, Any]:
-        where = {k: self._where.get(k) for k in ("node_id", "node_ip", "ray_actor_id", "ray_pid")}
+        keys = ("node_id", "node_ip", "ray_actor_id", "ray_pid", "nice")
+        where = {k: self._where.get(k) for k in keys}
         return {**super().statistics(), **where}
 
 

@@ -41,6 +41,15 @@ async def test_calls_tensors_and_errors_cross_the_process_boundary() -> None:
 async def test_tcp_transport_on_loopback() -> None:
     async with Supervisor([ChildSpec("p", Echo, placement=Process(transport="tcp"))]) as sup:
         assert await sup.ref("p").call("add", 20, 22) == 42
+        assert find(await sup.snapshot(), "p")["stats"]["address"].startswith("tcp://127.0.0.1:")
+
+
+async def test_a_tcp_child_dials_the_host_it_is_given() -> None:
+    # What a Ray child on another node does with [cluster] host; 127.0.0.2 is loopback too.
+    placement = Process(transport="tcp", host="127.0.0.2")
+    async with Supervisor([ChildSpec("p", Echo, placement=placement)]) as sup:
+        assert await sup.ref("p").call("add", 1, 2) == 3
+        assert find(await sup.snapshot(), "p")["stats"]["address"].startswith("tcp://127.0.0.2:")
 
 
 async def test_restart_under_load_200_calls_die_at_100() -> None:

@@ -79,6 +79,15 @@ async def test_a_ray_child_answers_calls_and_casts_and_reports_its_node(cluster)
         assert entry["placement"] == "ray" and entry["pids"] == [pid]
         assert stats["node_id"] in _alive_nodes() and stats["node_ip"] == "127.0.0.1"
         assert stats["ray_pid"] != pid and pid_alive(stats["ray_pid"])  # its Ray actor
+        # Ray runs its workers at nice 15; the child doing the work runs at the node's own.
+        assert os.getpriority(os.PRIO_PROCESS, stats["ray_pid"]) > os.getpriority(
+            os.PRIO_PROCESS, 0
+        )
+        assert (
+            stats["nice"]
+            == os.getpriority(os.PRIO_PROCESS, pid)
+            == os.getpriority(os.PRIO_PROCESS, 0)
+        )
         assert _ray_actor(stats["ray_actor_id"])["State"] == "ALIVE"
         assert stats["calls"] >= 4 and stats["casts"] == 1
     assert not pid_alive(pid)
@@ -198,7 +207,8 @@ async def _members(sup: Supervisor, child: str) -> list[dict[str, Any]]:
 @pytest.mark.anyio
 async def test_a_strict_pack_gang_is_one_placement_group_and_restarts_as_a_unit(cluster) -> None:
     # node-b has 1 CPU: both members (0.5 each) fit there, and only together.
-    placement = Ray(num_cpus=0.5, resources={"node-b": 0.1}, start_timeout=60)
+    # Two minutes a start: the members import torch and meet, beside CI's other test worker.
+    placement = Ray(num_cpus=0.5, resources={"node-b": 0.1}, start_timeout=120)
     spec = ChildSpec("pack", GangWorld, placement=placement, gang=2)
     async with Supervisor([spec], intensity=3) as sup:
         ref = sup.ref("pack")
@@ -220,7 +230,7 @@ async def test_a_strict_pack_gang_is_one_placement_group_and_restarts_as_a_unit(
             entry = find(await sup.snapshot(), "pack")
             return entry["state"] == "running" and not set(entry["pids"]) & set(old)
 
-        await wait_until(both_new, timeout=60, what="both gang members restarted")
+        await wait_until(both_new, timeout=120, what="both gang members restarted")
         await wait_until(lambda: not pid_alive(old[0]), what="the surviving member killed")
         entry = find(await sup.snapshot(), "pack")
         crash = entry["last_crash"]
@@ -241,7 +251,7 @@ async def test_a_strict_pack_gang_is_one_placement_group_and_restarts_as_a_unit(
 async def test_a_strict_spread_gang_meets_across_nodes_through_relayed_rendezvous(
     cluster,
 ) -> None:
-    placement = Ray(num_cpus=0.5, strategy="STRICT_SPREAD", start_timeout=60)
+    placement = Ray(num_cpus=0.5, strategy="STRICT_SPREAD", start_timeout=120)
     spec = ChildSpec("spread", GangWorld, placement=placement, gang=2)
     async with Supervisor([spec], intensity=3) as sup:
         ref = sup.ref("spread")
@@ -264,7 +274,7 @@ async def test_a_strict_spread_gang_meets_across_nodes_through_relayed_rendezvou
 @pytest.mark.anyio
 async def test_a_gang_no_node_can_hold_together_waits_until_one_joins(cluster) -> None:
     # Three members of one CPU each: the cluster has 3 CPUs, but no node holds 3.
-    placement = Ray(num_cpus=1, start_timeout=30)
+    placement = Ray(num_cpus=1, start_timeout=120)
     spec = ChildSpec("big", GangWorld, placement=placement, gang=3)
     assert Ray(num_cpus=1, strategy="SPREAD").hostable(3) and not placement.hostable(3)
     async with Supervisor([spec], intensity=0) as sup:
@@ -403,3 +413,13 @@ def test_ray_options_become_the_placement(tmp_path: Path) -> None:
     assert placement.demand() == {"num_cpus": 0.5, "num_gpus": 0.25, "resources": {"node-b": 1.0}}
     assert placement.start_timeout == 9 and placement.env["OMP_NUM_THREADS"] == "2"
     assert placement.transport == "tcp"
+    assert placement.host == "127.0.0.1"  # the default [cluster] host: loopback
+    # Off loopback (a head whose other nodes dial it), the children dial [cluster] host; that
+    # needs the cluster secret, like every other endpoint bound there (no traffic is sent).
+    exposed = _cfg(
+        '[cluster]\nhost = "10.1.2.3"\nsecret_env = "RELAX_TEST_SECRET"\n'
+        '[reward]\nplacement = "ray"\n'
+    )
+    assert _placement(exposed.reward, exposed.cluster.host).host == "10.1.2.3"
+    with pytest.raises(ConfigError, match=r"cluster\.host"):
+        _cfg('[cluster]\nhost = "10.1.2.3"\n[reward]\nplacement = "ray"\n')

@@ -455,6 +455,19 @@ def test_a_ray_placed_child_shows_its_node_in_the_plain_snapshot() -> None:
     assert "process" in process_line and "node" not in process_line
 
 
+def test_a_ray_gang_shows_the_nodes_its_members_run_on() -> None:
+    from relax.cli._status_text import placement_label
+
+    def member(node: str) -> dict[str, Any]:
+        return {"node_id": node * 7, "node_ip": "127.0.0.1"}
+
+    packed = {"placement": "ray", "stats": {"members": [member("aaaa1111")] * 2}}
+    assert placement_label(packed) == "ray @ 127.0.0.1 node aaaa1111"
+    spread = {"placement": "ray", "stats": {"members": [member("aaaa1111"), member("bbbb2222")]}}
+    assert placement_label(spread) == "ray @ 2 nodes: aaaa1111, bbbb2222"
+    assert placement_label({"placement": "process", "stats": {"members": [{}, {}]}}) == "process"
+
+
 def test_a_child_waiting_for_resources_says_so_in_the_plain_snapshot() -> None:
     from relax.cli._status_text import plain_snapshot
 

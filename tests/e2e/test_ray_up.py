@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +76,51 @@ async def test_digits_recipe_runs_with_its_rollout_on_ray(tmp_path: Path) -> Non
     assert max(r["newest_row_version"] for r in rows) > 0, rows
     for r in rows:
         assert r["oldest_row_version"] >= r["trainer_version_at_take"] - cfg.staleness_bound, r
+
+
+async def test_every_role_on_ray_runs_from_one_command(tmp_path: Path) -> None:
+    """README-style: `relax up examples/digits_ray/cluster.toml` alone — every role on Ray in
+    a private instance the run starts and stops — trains the recipe, and every role reports
+    the Ray node and actor hosting it."""
+    recipe = RECIPE.parents[1] / "digits_ray" / "cluster.toml"
+    run_dir = tmp_path / "run"
+    up = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "relax.cli",
+        "up",
+        str(recipe),
+        "--run-dir",
+        str(run_dir),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        roles = ("dataset", "rollout-0", "reward-0", "trainer")
+
+        async def all_on_ray() -> list[dict[str, Any]] | None:
+            if up.returncode is not None:
+                raise AssertionError("relax up ended before its roles showed up in the status")
+            try:
+                status = await control_request(run_dir, {"op": "status", "history": 1}, timeout=5)
+            except RelaxError:
+                return None  # not serving yet
+            entries = [find(status["tree"], role) for role in roles]
+            placed = all(
+                e["state"] == "running" and (e["stats"] or {}).get("node_id") for e in entries
+            )
+            return entries if placed else None
+
+        entries = await wait_until(all_on_ray, timeout=180, what="every role running on Ray")
+        for entry in entries:
+            assert entry["placement"] == "ray" and entry["stats"]["ray_actor_id"], entry
+        out, err = await asyncio.wait_for(up.communicate(), 300)
+    finally:
+        if up.returncode is None:
+            up.kill()
+            await up.wait()
+    assert up.returncode == 0, err.decode()[-3000:]
+    assert "40 steps (0 skipped)" in out.decode(), out.decode()[-2000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [r["reward_mean"] for r in rows if r["applied"]][-10:]
+    assert sum(last) / len(last) > 0.5, last  # it learned, as the digits recipe does
