@@ -204,6 +204,7 @@ async def _members(sup: Supervisor, child: str) -> list[dict[str, Any]]:
 
 
 @slow
+@pytest.mark.timeout(360)  # torch-importing members start twice, beside CI's other worker
 @pytest.mark.anyio
 async def test_a_strict_pack_gang_is_one_placement_group_and_restarts_as_a_unit(cluster) -> None:
     # node-b has 1 CPU: both members (0.5 each) fit there, and only together.
@@ -247,6 +248,7 @@ async def test_a_strict_pack_gang_is_one_placement_group_and_restarts_as_a_unit(
 
 
 @slow
+@pytest.mark.timeout(360)  # torch-importing members start twice, beside CI's other worker
 @pytest.mark.anyio
 async def test_a_strict_spread_gang_meets_across_nodes_through_relayed_rendezvous(
     cluster,
@@ -271,6 +273,7 @@ async def test_a_strict_spread_gang_meets_across_nodes_through_relayed_rendezvou
 
 
 @slow
+@pytest.mark.timeout(360)  # torch-importing members start twice, beside CI's other worker
 @pytest.mark.anyio
 async def test_a_gang_no_node_can_hold_together_waits_until_one_joins(cluster) -> None:
     # Three members of one CPU each: the cluster has 3 CPUs, but no node holds 3.
