@@ -8,8 +8,6 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import pytest
-
 LOOPBACK = {"node_ip_address": "127.0.0.1"}
 """Per-node arguments that keep a raylet (and its workers) on loopback."""
 
@@ -21,12 +19,10 @@ def loopback_cluster(head_cpus: float, **nodes: dict[str, Any]) -> Iterator[Any]
     import ray
     from ray.cluster_utils import Cluster
 
-    with pytest.MonkeyPatch.context() as env:
-        # Every raylet on loopback (else Ray's control store binds eth0), no token auth.
-        env.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        env.setenv("RAY_AUTH_MODE", "disabled")
-        # Ray read that variable when it was imported: this process needs the constant too.
-        env.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+    from relax.actors._ray import ray_process_env
+
+    # Every raylet on loopback (else Ray's control store binds eth0), no token auth.
+    with ray_process_env({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}):
         cluster = Cluster(
             initialize_head=True,
             connect=True,

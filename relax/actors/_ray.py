@@ -409,30 +409,69 @@ def ray_session(address: str = "local", *, num_cpus: int | None = None) -> Itera
     if ray.is_initialized():
         yield
         return
-    from ray._private import ray_constants
-
     options: dict[str, Any] = {}
-    saved = os.environ.get(_LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    env: dict[str, str] = {}
     if address == "local":
-        # Without this, Ray's control store binds the machine's public address: the variable
-        # for the processes Ray starts, the constant for this one (read when ray was imported).
-        os.environ.setdefault(_LOOPBACK_ENV, "0")
-        ray_constants.ENABLE_RAY_CLUSTER = False
+        # Without this, Ray's control store binds the machine's public address.
+        env = {_LOOPBACK_ENV: os.environ.get(_LOOPBACK_ENV, "0")}
         options = {
             "_node_ip_address": "127.0.0.1",
             "num_cpus": num_cpus,
             "include_dashboard": False,
         }
+    with ray_process_env(env):
+        try:
+            ray.init(address=address, **options)
+            yield
+        finally:
+            ray.shutdown()
+
+
+@contextlib.contextmanager
+def ray_process_env(env: Mapping[str, str]) -> Iterator[None]:
+    """Ray's settings from the environment, for this process and the ones Ray starts, for the
+    length of the block; on the way out every one is as it was, ``RAY_AUTH_MODE`` included.
+
+    Why the care: a local ``ray.init`` sets ``RAY_AUTH_MODE=token`` in this process's
+    environment and caches it in Ray's C++ config, and both outlive ``ray.shutdown``. A later
+    Ray instance in the same process (a test's cluster, a second run embedded in one program)
+    then starts its raylets with one mode while this process speaks the other, and every actor
+    it creates dies unscheduled. The loopback switch is also a Python constant, read when ray
+    was imported.
+    """
+    from ray._private import ray_constants
+
+    names = {*env, _AUTH_ENV}
+    saved_env = {name: os.environ.get(name) for name in names}
+    saved_cluster = ray_constants.ENABLE_RAY_CLUSTER
+    os.environ.update(env)
+    if _LOOPBACK_ENV in env:
+        ray_constants.ENABLE_RAY_CLUSTER = ray_constants.env_bool(
+            _LOOPBACK_ENV, not ray_constants.IS_WINDOWS_OR_OSX
+        )
+    _reload_ray_config()
     try:
-        ray.init(address=address, **options)
         yield
     finally:
-        ray.shutdown()
-        if saved[0] is None:
-            os.environ.pop(_LOOPBACK_ENV, None)
-        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        ray_constants.ENABLE_RAY_CLUSTER = saved_cluster
+        _reload_ray_config()
 
 
+def _reload_ray_config() -> None:
+    """Make Ray's cached C++ config and auth token read the environment again."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+_AUTH_ENV = "RAY_AUTH_MODE"
+"""Ray's token authentication switch (``token`` or ``disabled``)."""
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 """Set to 0, Ray puts every node of a local instance on 127.0.0.1 (Ray 2.60 on Linux)."""
 

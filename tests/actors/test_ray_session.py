@@ -1,0 +1,51 @@
+"""Ray sessions one after another in one process: the first leaves nothing that breaks the next.
+
+A local ``ray.init`` turns Ray's token auth on in this process (its environment and its cached
+C++ config) and leaves it on after ``ray.shutdown``; a later cluster without auth in the same
+process then had every actor die unscheduled ("child waits for resources", then a start
+timeout: CI's failure when a file with a local session ran before the Ray placement's tests in
+the same worker).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from relax.actors import RAY_INSTALL_HINT, ray_session
+from tests.optional import require
+from tests.ray_nodes import loopback_cluster
+
+pytestmark = pytest.mark.slow
+
+_WATCHED = ("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+
+
+def _node_of_a_new_actor(**options: object) -> str:
+    import ray
+
+    @ray.remote
+    class Where:
+        def node(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+    actor = Where.options(num_cpus=0.1, **options).remote()
+    try:
+        return ray.get(actor.node.remote(), timeout=60)
+    finally:
+        ray.kill(actor)
+
+
+def test_a_cluster_after_a_local_session_in_the_same_process_runs_actors() -> None:
+    require("ray", "RELAX_REQUIRE_RAY", RAY_INSTALL_HINT)
+    before = {name: os.environ.get(name) for name in _WATCHED}
+    with ray_session("local", num_cpus=1):
+        assert _node_of_a_new_actor()
+    assert {name: os.environ.get(name) for name in _WATCHED} == before
+    with loopback_cluster(1, node_b={"num_cpus": 1, "resources": {"node-b": 1}}) as cluster:
+        assert _node_of_a_new_actor(resources={"node-b": 0.1}) == cluster.node_b.node_id
+    assert {name: os.environ.get(name) for name in _WATCHED} == before
+    # And the other way round: after the cluster without auth, a local session with it.
+    with ray_session("local", num_cpus=1):
+        assert _node_of_a_new_actor()
