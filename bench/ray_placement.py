@@ -5,7 +5,9 @@
 - SIGKILL -> answering again   the member's child process killed, until a call is answered by
                       the new one (Ray: a new Ray actor is placed and starts the child)
 - digits step time    the digits recipe's mean time per training step with its rollout on Ray
-                      vs on ``process`` (issue 15's goal: within 10 %)
+                      vs on ``process``, and with every role (dataset, rollout, reward,
+                      trainer) on Ray vs every role on ``process`` (``examples/digits_ray``;
+                      issue 15's goal: within 10 %)
 
 Rounds are interleaved (ours, baseline, ours, …) so the machine's noise is shared; medians and
 the ratio ours/baseline are printed. A private Ray instance on 127.0.0.1 is started for the run.
@@ -31,19 +33,29 @@ from relax.actors import ChildSpec, Process, Ray, Supervisor, ray_session
 from relax.log import configure_logging
 from tests.actors.fixtures import Echo
 
-RECIPE = Path(__file__).resolve().parents[1] / "examples" / "digits" / "cluster.toml"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+RECIPE = EXAMPLES / "digits" / "cluster.toml"
+ALL_ON_RAY = EXAMPLES / "digits_ray" / "cluster.toml"
+ROLES = ("dataset", "rollout", "reward", "trainer")
 
 
-async def step_time(placement: str, steps: int) -> float:
-    """Mean seconds per applied training step of a digits run, its rollout on ``placement``
-    (the first step, which pays for starting everything, is left out)."""
+async def step_time(placement: str, steps: int, *, every_role: bool = False) -> float:
+    """Mean seconds per applied training step of a digits run, its rollout (``every_role``:
+    every role) on ``placement`` (the first step, which pays for starting everything, is left
+    out)."""
     from relax import cluster
     from relax.config import load_config
 
-    overrides = [f'rollout.placement="{placement}"', f"trainer.steps={steps}"]
-    if placement == "ray":
-        overrides.append("rollout.ray.num_cpus=1")
-    cfg = load_config(RECIPE, overrides=overrides)
+    if every_role:  # the digits_ray recipe as it is, or with every role moved to `placement`
+        recipe = ALL_ON_RAY
+        overrides = [f'{role}.placement="{placement}"' for role in ROLES]
+    else:
+        recipe = RECIPE
+        overrides = [f'rollout.placement="{placement}"']
+        if placement == "ray":
+            overrides.append("rollout.ray.num_cpus=1")
+    overrides.append(f"trainer.steps={steps}")
+    cfg = load_config(recipe, overrides=overrides)
     with tempfile.TemporaryDirectory(prefix="relax-bench-") as tmp:
         layout = await cluster.run(cfg, Path(tmp) / "run")
         rows = [json.loads(x) for x in (layout.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -53,8 +65,9 @@ async def step_time(placement: str, steps: int) -> float:
 
 async def main(calls: int, rounds: int, steps: int) -> None:
     configure_logging(level="error")
-    results: dict[str, list[float]] = {k: [] for k in ("ray", "tcp", "rr", "rt", "sr", "sp")}
-    with ray_session("local", num_cpus=4):
+    keys = ("ray", "tcp", "rr", "rt", "sr", "sp", "ar", "ap")
+    results: dict[str, list[float]] = {k: [] for k in keys}
+    with ray_session("local", num_cpus=6):
         children = [
             ChildSpec("ray", Echo, placement=Ray(num_cpus=1)),
             ChildSpec("tcp", Echo, placement=Process(transport="tcp")),
@@ -69,11 +82,16 @@ async def main(calls: int, rounds: int, steps: int) -> None:
             for _ in range(max(1, rounds // 2)):
                 results["sp"].append(await step_time("process", steps))
                 results["sr"].append(await step_time("ray", steps))
+                results["ap"].append(await step_time("process", steps, every_role=True))
+                results["ar"].append(await step_time("ray", steps, every_role=True))
     print(f"median of {rounds} rounds, {calls} sequential calls each")
     report("call rtt, ray vs process/tcp", results["ray"], results["tcp"], 1e6, "us")
     report("SIGKILL -> answering again", results["rr"], results["rt"], 1e3, "ms")
     if steps:
-        report(f"digits step ({steps} steps)", results["sr"], results["sp"], 1e3, "ms")
+        report(
+            f"digits step, rollout on ray ({steps} steps)", results["sr"], results["sp"], 1e3, "ms"
+        )
+        report("digits step, every role on ray", results["ar"], results["ap"], 1e3, "ms")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@
    (``relax up --detach`` does), else to the cluster's pid. A cluster whose control endpoint
    does not answer gets the SIGTERM at once (``relax up`` stops the tree on SIGTERM too).
 4. Check every recorded pid is gone (killing any straggler) and say so.
+5. A run on Ray: check no Ray actor or placement group of it is left on its cluster (removing
+   any that Ray did not clean up after the cluster's process), and say so.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from relax.cli._runs import (
     resolve_run_dir,
 )
 from relax.cli._up_run_folder import UP_PID, read_run_info
-from relax.runfiles import CONTROL_FILE, read_control
+from relax.runfiles import CONTROL_FILE, RAY_FILE, read_control, read_ray_info
 
 GRACE_S = 10.0
 """Seconds between SIGTERM and SIGKILL."""
@@ -69,10 +71,12 @@ def alive(pid: int, started: int | None = None) -> bool:
 
 
 def snapshot_pids(tree: dict[str, Any]) -> set[int]:
-    """Every pid a supervisor snapshot names: the tree's own and every child's, nested."""
+    """Every pid a supervisor snapshot names: the tree's own and every child's, nested —
+    except Ray children's, whose pids are on their own nodes (the Ray check covers them)."""
     pids = {int(tree["pid"])} if isinstance(tree.get("pid"), int) else set()
     for child in tree.get("children") or []:
-        pids.update(int(p) for p in child.get("pids") or [])
+        if child.get("placement") != "ray":
+            pids.update(int(p) for p in child.get("pids") or [])
         pids |= snapshot_pids({"children": child.get("children") or []})
     return pids
 
@@ -230,6 +234,7 @@ def down(
             else f"its {CONTROL_FILE} names pid {info.pid}, which is gone"
         )
         typer.echo(f"nothing to stop: no cluster is running in {run} ({why})")
+        _check_ray(run, strict=False)
         line = _checkpoint_line(run)
         if line:
             typer.echo(line)
@@ -285,10 +290,47 @@ def down(
     typer.echo(
         f"stopped in {elapsed:.1f} s; no process of the run is left (checked {_pid_list(recorded)})"
     )
+    _check_ray(run)
     line = _checkpoint_line(run)
     if line:
         typer.echo(line)
     typer.echo(f"resume with: {resume_command(run)}")
+
+
+def _check_ray(run: Path, *, strict: bool = True) -> None:
+    """Step 5: what of the run is left on its Ray cluster (removed, or named and exit 1);
+    a cluster that does not answer fails the check when ``strict``, else it is a warning."""
+    info = read_ray_info(run)
+    if info is None:
+        if (run / RAY_FILE).exists():
+            typer.echo(f"warning: {run / RAY_FILE} is unreadable; Ray not checked", err=True)
+        return
+    from relax.actors import ray_connection, ray_sweep, reachable
+
+    if not reachable(info.gcs_address):
+        if info.local:
+            typer.echo("the run's private Ray instance has stopped with it")
+            return
+        typer.echo(
+            f"the Ray cluster at {info.gcs_address} does not answer: cannot check that no Ray "
+            f"actor of the run is left (namespace {info.namespace}); check with `ray list "
+            "actors` once it is back",
+            err=True,
+        )
+        if strict:
+            raise typer.Exit(1)
+        return
+    with ray_connection(info.gcs_address, info.namespace):
+        removed, left = ray_sweep(info.namespace)
+    if removed:
+        typer.echo(f"removed what Ray had not cleaned up: {removed.describe()}", err=True)
+    if left:
+        typer.echo(f"still on Ray ({info.gcs_address}): {left.describe()}", err=True)
+        raise typer.Exit(1)
+    typer.echo(
+        f"no Ray actor or placement group of the run is left (namespace {info.namespace} on "
+        f"{info.gcs_address})"
+    )
 
 
 def _pid_list(pids: Iterable[int]) -> str:

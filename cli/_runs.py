@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from relax.runfiles import CONTROL_FILE, read_control
+from relax.runfiles import CONTROL_FILE, RAY_FILE, read_control
 
 DEFAULT_RUNS = Path("runs")
 """Where runs live unless a cluster.toml says otherwise (``cluster.run_dir``)."""
@@ -29,7 +29,8 @@ RunDirOption = Annotated[Path | None, run_dir_option()]
 def is_run_dir(path: Path) -> bool:
     """Whether ``path`` looks like a run folder (a cluster wrote into it)."""
     return path.is_dir() and any(
-        (path / name).exists() for name in (CONTROL_FILE, "metrics.jsonl", "model", "samples")
+        (path / name).exists()
+        for name in (CONTROL_FILE, RAY_FILE, "metrics.jsonl", "model", "samples")
     )
 
 

@@ -44,7 +44,9 @@ from relax.actors import (
     Ray,
     Restart,
     Supervisor,
+    connected_to,
     ray_session,
+    run_namespace,
 )
 from relax.bus import BusService
 from relax.config import ClusterConfig
@@ -61,6 +63,7 @@ from relax.roles import (
     RolloutRole,
     TrainerRole,
 )
+from relax.runfiles import RayInfo, write_ray_info
 
 
 @dataclass(frozen=True)
@@ -380,9 +383,19 @@ async def _serve(cfg: ClusterConfig, layout: Layout) -> None:
     # the reply to a stop request goes out before the control endpoint closes.
     async with contextlib.AsyncExitStack() as stack:
         if uses_ray(cfg):  # connected before the tree starts, let go after it stopped
-            stack.enter_context(
-                ray_session(cfg.cluster.ray.address, num_cpus=cfg.cluster.ray.num_cpus)
+            owned = stack.enter_context(
+                ray_session(
+                    cfg.cluster.ray.address,
+                    num_cpus=cfg.cluster.ray.num_cpus,
+                    namespace=run_namespace(layout.run_dir.name),
+                )
             )
+            # For `relax down`'s check of what is left — only in a namespace this run owns: an
+            # application's own Ray connection (relax.embed) may hold its other actors there.
+            if owned:
+                gcs_address, namespace = connected_to()
+                local = cfg.cluster.ray.address == "local"
+                write_ray_info(layout.run_dir, RayInfo(gcs_address, namespace, local))
         if cfg.logging.prometheus:
             port = cfg.cluster.ports.metrics
             try:

@@ -92,3 +92,37 @@ def read_control(run_dir: str | Path) -> ControlInfo | None:
         started_at=float(started_at) if isinstance(started_at, (int, float)) else None,
         metrics_url=data["metrics_url"] if isinstance(data.get("metrics_url"), str) else None,
     )
+
+
+RAY_FILE = "ray.json"
+"""Name of the file in a run folder that says which Ray cluster and namespace the run used
+(written by ``relax.cluster`` once it connected; read by ``relax down``)."""
+
+
+@dataclass(frozen=True)
+class RayInfo:
+    """What a run's ``RAY_FILE`` says."""
+
+    gcs_address: str
+    """``host:port`` of the Ray cluster's control store (what ``ray.init(address=)`` takes)."""
+    namespace: str
+    """The Ray namespace the run's actors were created in."""
+    local: bool
+    """Whether the run started a private Ray instance (``address = "local"``), which ends
+    with it."""
+
+
+def write_ray_info(run_dir: str | Path, info: RayInfo) -> None:
+    path = Path(run_dir) / RAY_FILE
+    tmp = path.with_name(RAY_FILE + ".tmp")
+    tmp.write_text(json.dumps(info.__dict__))
+    tmp.replace(path)  # whole or not at all
+
+
+def read_ray_info(run_dir: str | Path) -> RayInfo | None:
+    """The run's ``RAY_FILE``, or None when it has none (it used no Ray) or it is unusable."""
+    try:
+        data = json.loads((Path(run_dir) / RAY_FILE).read_text())
+        return RayInfo(str(data["gcs_address"]), str(data["namespace"]), bool(data["local"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -8,7 +8,8 @@
   supervisors, gangs, snapshots.
 - Placements: ``InProc`` (a task here), ``Process`` (its own OS process over NNG, with
   heartbeats) and ``Ray`` (the same child process, started by a Ray actor on a Ray node;
-  ``ray_session`` connects to Ray; ray is imported only when a Ray child starts).
+  ``ray_session`` connects to Ray; ray is imported only when a Ray child starts). A run's
+  Ray objects are named after it: ``ray_sweep`` finds and removes what is left of one.
 """
 
 from relax.actors._actor import Actor, ActorContext
@@ -23,6 +24,15 @@ from relax.actors._flags import (
 )
 from relax.actors._placement import InProc, Placement, Process
 from relax.actors._ray import RAY_INSTALL_HINT, Ray, ray_session
+from relax.actors._ray_run import (
+    Leftovers,
+    connected_to,
+    ray_connection,
+    ray_leftovers,
+    ray_sweep,
+    reachable,
+    run_namespace,
+)
 from relax.actors._ref import DEFAULT_CALL_TIMEOUT, ActorRef
 from relax.actors._supervisor import ChildSpec, ChildState, Supervisor
 
@@ -40,11 +50,18 @@ __all__ = [
     "ChildState",
     "Exit",
     "InProc",
+    "Leftovers",
     "Placement",
     "Process",
     "Ray",
     "Restart",
     "Strategy",
     "Supervisor",
+    "connected_to",
+    "ray_connection",
+    "ray_leftovers",
     "ray_session",
+    "ray_sweep",
+    "reachable",
+    "run_namespace",
 ]

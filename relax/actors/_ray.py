@@ -27,14 +27,18 @@ unit: a member's end ends the others, and the restart places a new group.
 A child no live node can host (its resource is on no node, its node was lost, no node is
 large enough for its ``STRICT_PACK`` gang) fails to start with a ``placement`` cause, and the
 placement's ``wait_for_resources`` tells the supervisor when one could: the child shows
-``waiting`` meanwhile, without burning restart intensity. Not built yet: children on other
-machines (the child dials the supervisor on 127.0.0.1).
+``waiting`` meanwhile, without burning restart intensity.
+
+A child dials its supervisor at the placement's ``host`` (``[cluster] host``): a child placed
+on a node of another machine while the supervisor listens on loopback could never reach it,
+so its start fails at once, naming the setting, rather than after a dial timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -44,8 +48,11 @@ from typing import Any, Literal
 from relax.actors._exit import Exit
 from relax.actors._placement import Incarnation, LaunchSpec, Member, Process, start_member
 from relax.actors._process import ProcessMember, ProcessOptions
+from relax.actors._ray_logs import RELAY_INTERVAL, LogSink
 from relax.actors._ray_node import connected_ray, launcher_class
+from relax.actors._ray_run import actor_name, group_name
 from relax.errors import MissingPackage, StartFailed
+from relax.log import ENV_LOG_DIR
 
 RAY_INSTALL_HINT = 'pip install -e ".[ray]"'
 """How to install the optional Ray extra (the preflight names it when ray is missing)."""
@@ -154,7 +161,10 @@ async def _launch_gang(opts: Ray, spec: LaunchSpec) -> Incarnation:
     ray = connected_ray()
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    group = ray.util.placement_group([opts.needs()] * spec.gang, strategy=opts.strategy)
+    namespace = ray.get_runtime_context().namespace
+    group = ray.util.placement_group(
+        [opts.needs()] * spec.gang, strategy=opts.strategy, name=group_name(namespace, spec.id)
+    )
     try:
         await _placing(
             spec.id, opts, spec.gang, asyncio.wrap_future(group.ready().future()), group=True
@@ -164,6 +174,7 @@ async def _launch_gang(opts: Ray, spec: LaunchSpec) -> Incarnation:
             .options(
                 **opts.demand(),
                 **_LAUNCHER_OPTIONS,
+                name=actor_name(spec.id, rank),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     group, placement_group_bundle_index=rank
                 ),
@@ -191,7 +202,8 @@ async def _launch_gang(opts: Ray, spec: LaunchSpec) -> Incarnation:
     except BaseException:
         _remove_group(group)  # its launchers (and their children) go with it
         raise
-    incarnation.done.add_done_callback(lambda _: _remove_group(group))
+    loop = asyncio.get_running_loop()
+    incarnation.done.add_done_callback(lambda _: _remove_group_soon(loop, group))
     return incarnation
 
 
@@ -216,6 +228,14 @@ def _gang_envs(where: list[dict[str, Any]], *, gpus: bool) -> list[dict[str, str
         }
         for rank, w in enumerate(where)
     ]
+
+
+def _remove_group_soon(loop: asyncio.AbstractEventLoop, group: Any) -> None:
+    """Remove ``group`` off the event loop: it is a blocking call to Ray's control store."""
+    try:
+        loop.run_in_executor(None, _remove_group, group)
+    except RuntimeError:  # the loop's executor has shut down: the run is ending anyway
+        _remove_group(group)
 
 
 def _remove_group(group: Any) -> None:
@@ -289,12 +309,17 @@ class RayMember(ProcessMember):
         self._leader = leader
         self._ended: Any = None  # the ObjectRef of the launcher's `wait`
         self._where: dict[str, Any] = {}
+        self._sink: LogSink | None = None  # where the child's log lines are relayed to
+        self._relay: asyncio.Task[None] | None = None
 
     async def _spawn(self, env: dict[str, str]) -> None:
         opts = self._options
         assert isinstance(opts, Ray)
         if self._handle is None:
-            self._handle = launcher_class().options(**opts.demand(), **_LAUNCHER_OPTIONS).remote()
+            name = actor_name(self.actor_id, self.rank)
+            self._handle = (
+                launcher_class().options(**opts.demand(), **_LAUNCHER_OPTIONS, name=name).remote()
+            )
         spawned = self._handle.spawn.remote(env, self._gang_member, self._leader)
         try:
             self._where = await _placing(
@@ -306,13 +331,48 @@ class RayMember(ProcessMember):
                 self._channel.close()
             raise
         self.pid = int(self._where["pid"])
+        unreachable = unreachable_supervisor(opts.host, str(self._where.get("node_ip", "")))
+        if unreachable is not None:
+            self._release()
+            raise StartFailed(f"{self.actor_id}: {unreachable}", actor_id=self.actor_id)
         self._ended = asyncio.wrap_future(self._handle.wait.remote().future())
+        if env.get(ENV_LOG_DIR):
+            self._sink = LogSink(env[ENV_LOG_DIR])
+            self._relay = asyncio.create_task(self._relay_logs())
+            self._tasks.append(self._relay)
+
+    async def _relay_logs(self) -> None:
+        while True:
+            await asyncio.sleep(RELAY_INTERVAL)
+            try:
+                await self._pull_logs()
+            except Exception:  # the launcher is gone: its end reaches the supervisor anyway
+                return
+
+    async def _pull_logs(self, final: bool = False) -> None:
+        assert self._sink is not None
+        while True:  # one pull brings PULL_LIMIT bytes at most: again until none is new
+            pulled = self._handle.logs.remote(dict(self._sink.offsets), final)
+            chunks = await asyncio.wrap_future(pulled.future())
+            if not chunks:
+                return  # (after the final pull, the launcher removed the child's folder)
+            # Written here, with no await between the pull and its offsets: a cancelled relay
+            # never leaves a write behind that the final pull would repeat.
+            self._sink.write(chunks)
 
     async def _process_end(self) -> Exit:
         try:
-            return Exit.from_returncode(await self._ended)
+            exit_ = Exit.from_returncode(await self._ended)
         except Exception as exc:
-            return await _ray_exit(exc, self._where.get("node_id"))
+            exit_ = await _ray_exit(exc, self._where.get("node_id"))
+        try:
+            if self._sink is not None:  # the child's last lines (a crash's traceback)
+                if self._relay is not None:
+                    self._relay.cancel()
+                    await asyncio.gather(self._relay, return_exceptions=True)
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._pull_logs(final=True), _KILL_GRACE)
+            return exit_
         finally:
             self._release()  # the child is gone: give its node's resources back
 
@@ -333,6 +393,27 @@ class RayMember(ProcessMember):
         keys = ("node_id", "node_ip", "ray_actor_id", "ray_pid", "nice")
         where = {k: self._where.get(k) for k in keys}
         return {**super().statistics(), **where}
+
+
+def unreachable_supervisor(host: str, node_ip: str) -> str | None:
+    """Why a child on the node at ``node_ip`` cannot dial a supervisor listening on ``host``
+    (loopback, while the node is another machine), or None when it can."""
+    if not (_loopback(host) and node_ip and not _loopback(node_ip)):
+        return None
+    return (
+        f"placed on the Ray node at {node_ip}, which cannot reach this supervisor on {host}"
+        " (cluster.host): set cluster.host to this machine's address on the cluster network,"
+        " with cluster.secret_env (see docs/cluster.md)"
+    )
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: let the child try to resolve and dial it
+        return False
 
 
 async def _ray_exit(exc: BaseException, node_id: str | None) -> Exit:
@@ -395,19 +476,25 @@ def _node_alive(node_id: str) -> bool:
 
 
 @contextlib.contextmanager
-def ray_session(address: str = "local", *, num_cpus: int | None = None) -> Iterator[None]:
+def ray_session(
+    address: str = "local", *, num_cpus: int | None = None, namespace: str | None = None
+) -> Iterator[bool]:
     """Connect this process to Ray for the length of the block.
 
     ``"local"`` starts a private Ray instance on 127.0.0.1 (every node on loopback) and stops
-    it afterwards; ``"auto"`` and ``"ray://host:port"`` join an existing cluster and leave it
-    running. A process already connected (an application's own ``ray.init``) is left as it is.
+    it afterwards; ``"auto"``, ``"host:port"`` and ``"ray://host:port"`` join an existing
+    cluster and leave it
+    running. A process already connected (an application's own ``ray.init``) is left as it is,
+    in its own namespace; else ``namespace`` (a run's, ``run_namespace``) names the Ray
+    namespace this process's actors are created in. Yields whether this block made the
+    connection (and so owns the namespace: ``relax down`` may sweep it).
     """
     try:
         import ray
     except ImportError:
         raise MissingPackage("ray", 'placement "ray"', extra="ray") from None
     if ray.is_initialized():
-        yield
+        yield False
         return
     options: dict[str, Any] = {}
     env: dict[str, str] = {}
@@ -421,8 +508,8 @@ def ray_session(address: str = "local", *, num_cpus: int | None = None) -> Itera
         }
     with ray_process_env(env):
         try:
-            ray.init(address=address, **options)
-            yield
+            ray.init(address=address, namespace=namespace, **options)
+            yield True
         finally:
             ray.shutdown()
 

@@ -20,13 +20,14 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from relax.actors._process import _CHILD_BOOT
+from relax.actors._ray_logs import node_folder, read_new, remove_orphans
 from relax.errors import MissingPackage
+from relax.log import ENV_LOG_DIR
 from relax.runfiles import GANG_PORT_FILE, GANG_RENDEZVOUS_ENV
 
 ANNOUNCE_TIMEOUT = 300.0
@@ -88,7 +89,9 @@ class _Launcher:
     def __init__(self) -> None:
         self._proc: asyncio.subprocess.Process | None = None
         self._folder: str | None = None
+        self._logs: str | None = None
         self._relay: asyncio.Task[None] | None = None
+        remove_orphans()  # folders of launchers Ray killed outright on this node
 
     def where(self) -> dict[str, Any]:
         """The node this actor runs on, and a port that was free on it (``MASTER_PORT`` for
@@ -110,8 +113,10 @@ class _Launcher:
 
         env = {**os.environ, **env}  # the node's own environment (CUDA_VISIBLE_DEVICES, ...)
         if gang:
-            self._folder = tempfile.mkdtemp(prefix="relax-gang-")
+            self._folder = node_folder("gang")
             env[GANG_RENDEZVOUS_ENV] = self._folder
+        if env.get(ENV_LOG_DIR):  # the run's folder is on the head: log here, relayed there
+            self._logs = env[ENV_LOG_DIR] = node_folder("logs")
         self._proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", _CHILD_BOOT, env=env, stdin=asyncio.subprocess.DEVNULL
         )
@@ -149,6 +154,17 @@ class _Launcher:
         partial = Path(self._folder) / f"{GANG_PORT_FILE}.relay.partial"
         partial.write_text(str(port))
         partial.replace(Path(self._folder) / GANG_PORT_FILE)  # atomic: never half a number
+
+    def logs(self, offsets: dict[str, int], final: bool = False) -> dict[str, bytes]:
+        """The child's log lines past ``offsets``; ``final`` (the child has ended): and once
+        none is left, its log folder goes."""
+        if self._logs is None:
+            return {}
+        chunks = read_new(self._logs, offsets)
+        if final and not chunks:
+            shutil.rmtree(self._logs, ignore_errors=True)
+            self._logs = None
+        return chunks
 
     async def wait(self) -> int:
         assert self._proc is not None

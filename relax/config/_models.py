@@ -68,14 +68,14 @@ class PortsConfig(ConfigModel):
         return self
 
 
-_RAY_ADDRESS = re.compile(r"ray://[^\s:/]+:\d{1,5}")
+_RAY_ADDRESS = re.compile(r"(?:ray://)?(?:[^\s:/\[\]]+|\[[0-9A-Fa-f:.]+\]):\d{1,5}")
 
 
 class RayClusterConfig(ConfigModel):
     """``[cluster.ray]``: the Ray cluster that children with placement "ray" run on (only read when one does)."""
 
     address: str = "local"
-    """"local" starts a private Ray instance for this run on 127.0.0.1 and stops it at the end; "auto" joins the Ray cluster already running on this machine (`ray start`); "ray://host:port" connects through Ray Client."""
+    """"local" starts a private Ray instance for this run on 127.0.0.1 and stops it at the end; "auto" joins the Ray cluster already running on this machine (`ray start`); "host:port" joins the cluster whose head's control store listens there (what `ray start --head` prints, e.g. "10.0.0.5:6379"); "ray://host:port" connects through Ray Client."""
     num_cpus: PositiveInt | None = None
     """Logical CPUs of the private instance (address "local" only); unset means the machine's cores. Each Ray child reserves its `[<role>.ray] num_cpus` of them."""
 
@@ -84,7 +84,7 @@ class RayClusterConfig(ConfigModel):
     def _address_form(cls, address: str) -> str:
         if address not in ("local", "auto") and not _RAY_ADDRESS.fullmatch(address):
             raise value_error(
-                f'must be "local", "auto" or "ray://host:port", got {show(address)}',
+                f'must be "local", "auto", "host:port" or "ray://host:port", got {show(address)}',
                 'use "local" for a private Ray instance on this machine',
             )
         return address

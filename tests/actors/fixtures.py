@@ -87,6 +87,16 @@ class Echo(Actor):
     async def exit_normally(self) -> None:
         self.stop()
 
+    def say(self, word: str) -> str | None:
+        """Log ``word``; returns the log folder this process writes to."""
+        self.log.warning("said", word=word)
+        return os.environ.get("RELAX_LOG_DIR")
+
+    async def say_and_die(self, word: str) -> None:
+        """Log ``word``, then end at once (exit status 3), as a crash would."""
+        self.log.warning("said", word=word)
+        os._exit(3)
+
 
 class CustomError(Exception):
     pass

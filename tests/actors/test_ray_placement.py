@@ -9,6 +9,7 @@ missing ray fails them. The config and preflight tests at the end need no runnin
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 from relax.actors import RAY_INSTALL_HINT, ChildSpec, Ray, Supervisor
 from relax.config import parse_config
 from relax.errors import ActorDead, CallTimeout, ConfigError, StartFailed
+from relax.log import log_files
 from relax.preflight import preflight
 from tests.actors.fixtures import Echo, GangWorld
 from tests.actors.helpers import find, pid_alive
@@ -204,6 +206,40 @@ async def _members(sup: Supervisor, child: str) -> list[dict[str, Any]]:
 
 
 @slow
+@pytest.mark.anyio
+async def test_a_ray_child_s_log_lines_reach_the_run_s_log_folder(cluster, tmp_path: Path) -> None:
+    """A Ray node need not share the head's file system: the child logs into a folder on its
+    node, and its lines are relayed to the run's folder — its last ones after it died too."""
+    logs = (tmp_path / "logs").resolve()
+    placement = Ray(num_cpus=0.1, resources={"node-b": 0.1})
+    with log_files(logs):
+        async with Supervisor([ChildSpec("talker", Echo, placement=placement)]) as sup:
+            ref = sup.ref("talker")
+            node_folder = await ref.call("say", "hello")
+            assert node_folder and Path(node_folder) != logs, node_folder
+
+            await wait_until(
+                lambda: _said(logs) == ["hello"], what="the line relayed to the run's folder"
+            )
+            await ref.cast("say_and_die", "bye")
+
+            async def restarted_with_last_line() -> bool:
+                entry = find(await sup.snapshot(), "talker")
+                return entry["restart_count"] == 1 and _said(logs) == ["hello", "bye"]
+
+            await wait_until(restarted_with_last_line, what="the dead child's last line relayed")
+            assert not Path(node_folder).exists()  # its node folder went with the final pull
+    assert _said(logs) == ["hello", "bye"]  # each line once: no pull repeated
+
+
+def _said(logs: Path) -> list[str]:
+    """The words the ``talker`` child logged, as the run's log folder has them."""
+    path = logs / "talker.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [e["word"] for e in lines if e["event"] == "said"]
+
+
+@slow
 @pytest.mark.timeout(360)  # torch-importing members start twice, beside CI's other worker
 @pytest.mark.anyio
 async def test_a_strict_pack_gang_is_one_placement_group_and_restarts_as_a_unit(cluster) -> None:
@@ -224,6 +260,11 @@ async def test_a_strict_pack_gang_is_one_placement_group_and_restarts_as_a_unit(
         }
         [group] = _groups()
         assert group["strategy"] == "STRICT_PACK" and len(group["bundles"]) == 2, group
+        # Named after the run (this process's namespace) and the child: `relax down` finds them.
+        namespace = ray.get_runtime_context().namespace
+        assert group["name"].startswith(f"relax:{namespace}:pack:"), group
+        names = sorted(n for n in ray.util.list_named_actors() if n.startswith("relax:pack:"))
+        assert [n.rsplit(":", 1)[0] for n in names] == ["relax:pack:0", "relax:pack:1"], names
 
         os.kill(old[1], signal.SIGKILL)
 
@@ -426,3 +467,16 @@ def test_ray_options_become_the_placement(tmp_path: Path) -> None:
     assert _placement(exposed.reward, exposed.cluster.host).host == "10.1.2.3"
     with pytest.raises(ConfigError, match=r"cluster\.host"):
         _cfg('[cluster]\nhost = "10.1.2.3"\n[reward]\nplacement = "ray"\n')
+
+
+def test_a_child_on_another_machine_is_refused_when_the_supervisor_listens_on_loopback() -> None:
+    """A child placed on another machine's node cannot dial 127.0.0.1 back: its start fails at
+    once naming cluster.host, instead of after a dial timeout."""
+    from relax.actors._ray import unreachable_supervisor
+
+    refused = unreachable_supervisor("127.0.0.1", "10.0.0.7")
+    assert refused is not None and "cluster.host" in refused and "10.0.0.7" in refused
+    assert unreachable_supervisor("localhost", "192.168.1.2") is not None
+    assert unreachable_supervisor("127.0.0.1", "127.0.0.1") is None  # a node on this machine
+    assert unreachable_supervisor("10.0.0.5", "10.0.0.7") is None  # the head's cluster address
+    assert unreachable_supervisor("127.0.0.1", "") is None  # Ray did not say: let it dial

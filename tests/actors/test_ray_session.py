@@ -40,11 +40,17 @@ def _node_of_a_new_actor(**options: object) -> str:
 def test_a_cluster_after_a_local_session_in_the_same_process_runs_actors() -> None:
     require("ray", "RELAX_REQUIRE_RAY", RAY_INSTALL_HINT)
     before = {name: os.environ.get(name) for name in _WATCHED}
-    with ray_session("local", num_cpus=1):
+    with ray_session("local", num_cpus=1) as owned:
+        assert owned  # this block connected: the run owns its namespace
         assert _node_of_a_new_actor()
     assert {name: os.environ.get(name) for name in _WATCHED} == before
     with loopback_cluster(1, node_b={"num_cpus": 1, "resources": {"node-b": 1}}) as cluster:
         assert _node_of_a_new_actor(resources={"node-b": 0.1}) == cluster.node_b.node_id
+        import ray
+
+        with ray_session("local", namespace="relax-x") as owned:
+            # Already connected (an application's own ray.init): left as it is, not owned.
+            assert not owned and ray.get_runtime_context().namespace != "relax-x"
     assert {name: os.environ.get(name) for name in _WATCHED} == before
     # And the other way round: after the cluster without auth, a local session with it.
     with ray_session("local", num_cpus=1):
