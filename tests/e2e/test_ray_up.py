@@ -24,7 +24,9 @@ from relax.errors import RelaxError
 from tests.actors.helpers import find, wait_until
 from tests.optional import require
 
-pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+# Whole runs with Ray actors starting (and restarting) beside CI's other worker: over the
+# suite's 120 s default on a loaded machine; the waits inside have their own deadlines.
+pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(600)]
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "digits" / "cluster.toml"
 
 require("ray", "RELAX_REQUIRE_RAY", RAY_INSTALL_HINT, whole_module=True)
