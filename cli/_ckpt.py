@@ -1,6 +1,7 @@
 """`relax ckpt list` / `relax ckpt export`: a run's trainer checkpoints, and turning one into a
 plain Hugging Face model folder (weights, config, tokenizer) for ``from_pretrained``, vLLM or
-the Hub."""
+the Hub. A LoRA checkpoint (``[model.lora]``: it holds the adapter, not the weights) is merged
+onto its base model (peft's ``merge_and_unload``), so the folder is a plain model too."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import typer
 
 from relax.cli._app import app
 from relax.cli._runs import RunDirOption, resolve_run_dir
+from relax.errors import RelaxError
 
 ckpt_app = typer.Typer(
     name="ckpt",
@@ -177,20 +179,46 @@ def tokenizer_source(run: Path) -> Path | str | None:
     return "byte" if recorded in (None, "byte") else None
 
 
+ADAPTER_CONFIG = "adapter_config.json"
+"""What marks a LoRA checkpoint (``relax.models``' peft layout; named here so that listing
+checkpoints does not import torch)."""
+
+
+def lora_base(checkpoint: Path, run: Path) -> Path:
+    """The base model folder a LoRA checkpoint's adapter merges onto: the one its
+    ``adapter_config.json`` names, else the run's model (``run.json``), else ``RUN_DIR/model``."""
+    from relax.cli._up_run_folder import read_run_info
+
+    named = json.loads((checkpoint / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    candidates = [named, read_run_info(run).get("model_dir"), str(run / "model")]
+    for candidate in candidates:
+        if candidate and (Path(candidate) / "config.json").is_file():
+            return Path(candidate)
+    raise FileNotFoundError(
+        f"the base model of the LoRA adapter in {checkpoint} is not found (tried"
+        f" {[c for c in candidates if c]}); it must stay where the run loaded it from"
+    )
+
+
 def export_checkpoint(checkpoint: Path, run: Path, out: Path) -> list[str]:
-    """Copy the model files of ``checkpoint`` and the run's tokenizer into ``out``; returns
-    the file names written."""
+    """Copy the model files of ``checkpoint`` (a LoRA checkpoint: its adapter merged onto the
+    base model) and the run's tokenizer into ``out``; returns the file names written."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for path in sorted(checkpoint.glob("*.safetensors")):
-        shutil.copy2(path, out / path.name)
-        written.append(path.name)
-    if not written:
-        raise FileNotFoundError(f"{checkpoint} holds no *.safetensors weights")
-    for name in MODEL_FILES:
-        if (checkpoint / name).is_file():
-            shutil.copy2(checkpoint / name, out / name)
-            written.append(name)
+    if (checkpoint / ADAPTER_CONFIG).is_file():
+        from relax.models import merge_lora
+
+        written += merge_lora(lora_base(checkpoint, run), checkpoint, out)
+    else:
+        for path in sorted(checkpoint.glob("*.safetensors")):
+            shutil.copy2(path, out / path.name)
+            written.append(path.name)
+        if not written:
+            raise FileNotFoundError(f"{checkpoint} holds no *.safetensors weights")
+        for name in MODEL_FILES:
+            if (checkpoint / name).is_file():
+                shutil.copy2(checkpoint / name, out / name)
+                written.append(name)
     source = tokenizer_source(run)
     if isinstance(source, Path):
         for name in TOKENIZER_FILES:
@@ -234,6 +262,7 @@ def export_command(
 
     OUT_DIR gets the weights (model.safetensors), config.json and the tokenizer files of the
     run's model: ready for AutoModelForCausalLM.from_pretrained(OUT_DIR), vLLM or the Hub.
+    A LoRA checkpoint is written merged: the adapter folded into the base model's weights.
     """
     run = resolve_run_dir(run_dir)
     checkpoint = find_checkpoint(run, step)
@@ -245,7 +274,7 @@ def export_command(
         raise typer.Exit(1)
     try:
         written = export_checkpoint(checkpoint.path, run, out_dir)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RelaxError) as exc:  # RelaxError: peft missing for a merge
         typer.echo(f"cannot export {checkpoint.path}: {exc}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"exported step {checkpoint.step} of {run} to {out_dir}/: {', '.join(written)}")

@@ -36,8 +36,12 @@ def not_running_message(run_dir: Path, reason: object) -> str:
 async def fetch_status(run_dir: Path, *, history: int, timeout: float = 30) -> dict[str, Any]:
     """One ``status`` reply of the cluster running in ``run_dir``."""
     from relax.control import control_request
+    from relax.observe import last_eval
 
-    return await control_request(run_dir, {"op": "status", "history": history}, timeout=timeout)
+    snapshot = await control_request(run_dir, {"op": "status", "history": history}, timeout=timeout)
+    # The newest evaluation ([eval]), from the run folder the cluster writes it to.
+    snapshot["eval"] = last_eval(run_dir)
+    return snapshot
 
 
 @app.command("status")

@@ -8,6 +8,7 @@ from typing import Any
 
 from rich.text import Text
 
+from relax.observe import last_eval
 from relax.schema import (
     BusStatistics,
     ChildSnapshot,
@@ -39,6 +40,9 @@ def plain_snapshot(snap: StatusSnapshot) -> str:
         f"reward {fmt(last.get('reward_mean'))}{average(recent, 'reward_mean')} · "
         f"loss {fmt(last.get('loss'))}{average(recent, 'loss')}"
     )
+    evaluated = last_eval(snap["run_dir"]) if snap.get("run_dir") else None
+    if evaluated is not None:
+        lines.append(eval_summary(evaluated))
     tree = snap.get("tree") or {}
     lines.append(
         f"actors (supervisor {tree.get('id', '?')} · {tree.get('strategy', '?')}"
@@ -77,6 +81,20 @@ def plain_snapshot(snap: StatusSnapshot) -> str:
                 f"{counts.get('lag', 0)}"
             )
     return "\n".join(lines)
+
+
+def eval_summary(record: dict[str, Any]) -> str:
+    """The newest evaluation ([eval], ``RUN_DIR/eval.jsonl``) in one line."""
+    k = record.get("eval/k")
+    k_text = f"{int(k)}" if isinstance(k, (int, float)) else "k"
+    text = (
+        f"eval version {record.get('version', '?')} · reward {fmt(record.get('eval/mean_reward'))}"
+        f" · pass@1 {fmt(record.get('eval/pass@1'))} · pass@{k_text} {fmt(record.get('eval/pass@k'))}"
+    )
+    skipped = record.get("eval/skipped_versions")
+    if skipped:
+        text += f" · {int(skipped)} due versions skipped"
+    return text
 
 
 def state_label(child: ChildSnapshot) -> str:

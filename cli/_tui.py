@@ -39,6 +39,7 @@ from relax.cli._status_text import (
     average,
     bus_summary,
     duration,
+    eval_summary,
     flatten,
     fmt,
     placement_label,
@@ -47,6 +48,7 @@ from relax.cli._status_text import (
 )
 from relax.cli._tui_widgets import AxisSparkline, Confirm
 from relax.control import CONTROL_FILE, ClusterNotRunning, control_request
+from relax.observe import last_eval
 from relax.schema import BusStatistics, StatusSnapshot, TreeSnapshot
 
 STATE_STYLES = {
@@ -338,6 +340,9 @@ class StatusApp(App[None]):
         row("generation", generation)
         row("reward", fmt(last.get("reward_mean")) + average(recent, "reward_mean"))
         row("loss", fmt(last.get("loss")) + average(recent, "loss"))
+        evaluated = last_eval(self.run_dir)
+        if evaluated is not None:  # [eval]: the newest evaluation, from RUN_DIR/eval.jsonl
+            row("eval", eval_summary(evaluated).removeprefix("eval "))
         kl = last.get("kl", last.get("approx_kl"))
         row("kl/entropy", f"{fmt(kl)} / {fmt(last.get('entropy'))}")
         times = [r["step_time_s"] for r in recent if r.get("step_time_s")]

@@ -11,6 +11,7 @@
     ├── reference-i  samples → ref_logprobs column ([reference] enabled; the frozen policy)
     ├── critic-0   samples with a reward → values column, then a critic update ([critic])
     ├── trainer    whole groups within the staleness bound → step → publish weights
+    ├── eval       published weights → held-out prompts → eval.jsonl ([eval] every_steps > 0)
     └── rollout-i  prompts + weights → admitted, generated samples
 
 Roles meet only on the buses. Everything a run writes goes under one run folder:
@@ -58,6 +59,7 @@ from relax.preflight import check, resolve_secret
 from relax.roles import (
     CriticRole,
     DatasetRole,
+    EvalRole,
     ReferenceRole,
     RewardRole,
     RolloutRole,
@@ -315,6 +317,10 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
         ),
         # The trainer is transient: finishing its steps is a normal end, which ends the run.
         role("trainer", TrainerRole, cfg.trainer, restart="transient", **samples_at, **run_dir),
+        # The evaluator ([eval]): it follows the published weights and never holds training up.
+        # After the trainer, so it stops before it (reverse order) — and, the buses stopping
+        # last, its final evaluation in on_stop still reaches the weights channel.
+        *([role("eval", EvalRole, cfg.eval, **samples_at, **run_dir)] if cfg.eval.enabled else []),
         *(
             role(f"rollout-{i}", RolloutRole, cfg.rollout, **prompts_at, **samples_at, **run_dir)
             for i in range(cfg.rollout.replicas)

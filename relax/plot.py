@@ -15,7 +15,9 @@ One chart per quantity, written only when the metrics hold it:
 - ``staleness.png``   histogram of staleness = trainer version at take - oldest row version
                       (how many versions behind the oldest sample of each step was);
 - ``step_time.png``   wall-clock seconds per step, and per phase (every ``*_time_s`` field);
-- ``critic.png``      the critic's losses from ``critic.jsonl`` (runs with a ``[critic]``).
+- ``critic.png``      the critic's losses from ``critic.jsonl`` (runs with a ``[critic]``);
+- ``eval.png``        mean reward, pass@1 and pass@k of each evaluation, from ``eval.jsonl``
+                      (runs with ``[eval] every_steps`` > 0).
 
 matplotlib is an optional dependency (the ``plot`` extra: ``pip install 'relax-rl[plot]'``);
 it is imported lazily, with the non-interactive Agg backend, so nothing here needs a display.
@@ -33,6 +35,11 @@ from relax.errors import PlotError
 
 PLOTS_DIR = "plots"
 """Folder of a run where ``relax up`` and ``relax plot`` write the charts by default."""
+
+EVAL_FILE = "eval.jsonl"
+"""The evaluator's records in a run folder (``relax.observe.EVAL_FILE``; plot is a floor below)."""
+EVAL_KEYS = ("eval/mean_reward", "eval/pass@1", "eval/pass@k")
+"""What ``eval.png`` draws, per evaluated version."""
 
 INSTALL_HINT = "pip install 'relax-rl[plot]'  (or: pip install matplotlib)"
 
@@ -215,10 +222,26 @@ def write_plots(
         ax.grid(alpha=0.3)
         ax.legend()
         save(fig, "critic.png")
+
+    evals = read_records(run / EVAL_FILE)
+    drawn = [(key, *series(evals, key)) for key in EVAL_KEYS]
+    drawn = [(key, xs, ys) for key, xs, ys in drawn if ys]
+    if drawn:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key, xs, ys in drawn:
+            ax.plot(xs, ys, marker="o", label=key)
+        ax.set_title(f"Evaluation (held-out prompts) · {name}")
+        ax.set_xlabel("policy version (trainer step)")
+        ax.set_ylabel("reward / pass rate")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        save(fig, "eval.png")
     return written
 
 
 __all__ = [
+    "EVAL_FILE",
+    "EVAL_KEYS",
     "INSTALL_HINT",
     "PLOTS_DIR",
     "PlotError",

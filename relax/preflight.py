@@ -128,6 +128,15 @@ def _files(cfg: ClusterConfig) -> list[ConfigIssue]:
                 hint="fix the path, or remove it to use the built-in arithmetic task",
             )
         )
+    eval_path = cfg.eval.data.path if cfg.eval.every_steps > 0 else None
+    if eval_path is not None and not Path(eval_path).expanduser().is_file():
+        issues.append(
+            ConfigIssue(
+                "eval.data.path",
+                f"no such file {eval_path!r} (relative paths start from {Path.cwd()})",
+                hint="fix the path, or remove it to evaluate on the built-in task's held-out seed",
+            )
+        )
     return issues
 
 
@@ -145,8 +154,42 @@ def _children(cfg: ClusterConfig) -> list[tuple[str, Any]]:
     return children + [(f"actors[{i}]", actor) for i, actor in enumerate(cfg.actors)]
 
 
+VLLM_MAX_LORA_RANK = 512
+"""The largest LoRA rank vLLM serves (``relax.engines._vllm_lora.VLLM_RANKS``; not imported:
+the preflight never loads torch)."""
+VLLM_NO_ADAPTER = ("lm_head", "embed_tokens")
+"""Modules vLLM serves no LoRA adapter on (``relax.engines._vllm_lora.NOT_SERVED``)."""
+
+
+def _vllm_lora(cfg: ClusterConfig) -> list[ConfigIssue]:
+    """What of ``[model.lora]`` the vLLM engine cannot serve."""
+    lora = cfg.model.lora
+    if lora is None or not cfg.rollout.enabled or cfg.rollout.engine != "vllm":
+        return []
+    issues = []
+    if lora.rank > VLLM_MAX_LORA_RANK:
+        issues.append(
+            ConfigIssue(
+                "model.lora.rank",
+                f"is {lora.rank}, but vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANK}",
+                hint=f'use a rank of at most {VLLM_MAX_LORA_RANK}, or rollout.engine = "hf"',
+            )
+        )
+    refused = [name for name in lora.target_modules if name in VLLM_NO_ADAPTER]
+    if refused:
+        issues.append(
+            ConfigIssue(
+                "model.lora.target_modules",
+                f"{refused} cannot carry an adapter on the vLLM engine, which serves LoRA on"
+                " the decoder blocks' linear layers only",
+                hint=f'leave out {refused}, or use rollout.engine = "hf"',
+            )
+        )
+    return issues
+
+
 def _unbuilt(cfg: ClusterConfig) -> list[ConfigIssue]:
-    issues: list[ConfigIssue] = []
+    issues: list[ConfigIssue] = _vllm_lora(cfg)
     if cfg.cluster.ports.bus and cfg.bus_transport != "tcp":
         issues.append(
             ConfigIssue(
@@ -220,6 +263,15 @@ def _imports(cfg: ClusterConfig) -> list[ConfigIssue]:
             issues,
             "data.generator",
             data.generator,
+            (),
+            {"seed": 0},
+            "a function generator(seed=...) yielding prompt records",
+        )
+    if cfg.eval.every_steps > 0 and cfg.eval.data.generator is not None:
+        _imported(
+            issues,
+            "eval.data.generator",
+            cfg.eval.data.generator,
             (),
             {"seed": 0},
             "a function generator(seed=...) yielding prompt records",
@@ -311,6 +363,13 @@ def _packages(cfg: ClusterConfig) -> list[ConfigIssue]:
         need(f"{on_ray[0]}.placement", "ray", 'placement "ray"', RAY_INSTALL_HINT)
     if cfg.rollout.enabled and cfg.rollout.engine == "vllm":
         need("rollout.engine", "vllm", 'engine "vllm"', 'pip install vllm, or use engine "hf"')
+    if cfg.model.lora is not None and (cfg.trainer.enabled or cfg.rollout.enabled):
+        need(
+            "model.lora",
+            "peft",
+            "[model.lora]",
+            "pip install 'relax-rl[lora]' (or: pip install peft)",
+        )
     if cfg.trainer.enabled and cfg.trainer.backend == "deepspeed":
         need(
             "trainer.backend",

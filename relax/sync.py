@@ -41,13 +41,15 @@ async def run_sync(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Lay
     layout = prepare(cfg, run_dir)
     tokenizer = load_tokenizer(layout.model_dir)
     rollout = cfg.rollout.model_copy(update={"interruptible": False})
-    engine = open_engine(rollout, layout.model_dir, cfg.model.dtype)
+    engine = open_engine(rollout, layout.model_dir, cfg.model.dtype, lora=cfg.model.lora)
     rewards = RewardSet.from_config(
         cfg.reward, answer_key="answer", max_response_tokens=cfg.rollout.max_new_tokens
     )
     model, _ = load_policy(layout.model_dir, cfg.trainer.dtype)
     pad = pad_token_id(tokenizer, layout.model_dir)
-    backend = make_backend(cfg.trainer, cfg.algorithm, model, pad, cfg.rollout.temperature)
+    backend = make_backend(
+        cfg.trainer, cfg.algorithm, model, pad, cfg.rollout.temperature, lora=cfg.model.lora
+    )
     n = cfg.data.n_samples_per_prompt
     groups_per_step = cfg.trainer.global_batch_size // n
     stops = stop_token_ids(tokenizer)

@@ -2,7 +2,8 @@
 
 Shapes: per-token tensors are ``[batch, seq]`` with a ``mask`` (1 on response tokens that count);
 per-sample tensors are ``[batch]``; ``group_ids`` ``[batch]`` names each sample's prompt group.
-Losses return ``(loss, metrics)`` with detached 0-d tensor metrics.
+Losses return ``(loss, metrics)`` with detached 0-d tensor metrics. ``docs/algorithms.md`` lists
+every estimator, loss, aggregation, KL estimator and correction with its formula and paper.
 """
 
 from relax.algos._advantages import (
@@ -16,6 +17,18 @@ from relax.algos._advantages import (
     rloo_advantages,
     sequence_to_token_rewards,
 )
+from relax.algos._correction import (
+    Correction,
+    ISLevel,
+    ISMode,
+    OnReject,
+    RolloutCorrection,
+    batch_normalize,
+    level_log_ratio,
+    rollout_correction,
+    rollout_log_ratio,
+    sequence_kl,
+)
 from relax.algos._kl import KLEstimator, kl_divergence, kl_loss, kl_reward_penalty
 from relax.algos._losses import (
     Metrics,
@@ -27,6 +40,7 @@ from relax.algos._losses import (
     ppo_loss,
 )
 from relax.algos._masked import (
+    AGGREGATION_ALIASES,
     Aggregation,
     aggregate_loss,
     masked_mean,
@@ -35,12 +49,20 @@ from relax.algos._masked import (
     masked_whiten,
 )
 from relax.algos._offpolicy import decoupled_ppo_loss, masked_is_weights, tis_weights
+from relax.algos._passk import mean_pass_at_k, pass_at_k
 
 __all__ = [
+    "AGGREGATION_ALIASES",
     "Aggregation",
+    "Correction",
+    "ISLevel",
+    "ISMode",
     "KLEstimator",
     "Metrics",
+    "OnReject",
+    "RolloutCorrection",
     "aggregate_loss",
+    "batch_normalize",
     "cispo_loss",
     "decoupled_ppo_loss",
     "discounted_returns",
@@ -55,15 +77,21 @@ __all__ = [
     "kl_divergence",
     "kl_loss",
     "kl_reward_penalty",
+    "level_log_ratio",
     "logprobs_from_logits",
     "masked_is_weights",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "mean_pass_at_k",
+    "pass_at_k",
     "ppo_loss",
     "reinforce_pp_advantages",
     "rloo_advantages",
+    "rollout_correction",
+    "rollout_log_ratio",
+    "sequence_kl",
     "sequence_to_token_rewards",
     "tis_weights",
 ]

@@ -75,6 +75,11 @@ def grpo_advantages(
     Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, §4.1.2. The std is the unbiased sample
     std (as in TRL and verl). A group whose rewards are all equal (or a group of one) gets
     advantage exactly 0, never NaN and never rounding noise, for any reward value and dtype.
+
+    Singleton groups: Relax's convention is advantage 0 (one sample has nothing to be compared
+    with, so it carries no signal). veRL's differs: for a group of one it takes mean 0 and
+    std 1, so the advantage is the raw score. The same holds for ``dr_grpo_advantages`` and
+    ``rloo_advantages`` (0 for a group of one).
     """
     out = _out_dtype(rewards)
     r = rewards.to(torch.float64)
@@ -89,7 +94,8 @@ def dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.
 
     Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective",
     arXiv:2503.20783. Dividing by the std up-weights too-easy and too-hard prompts; the paper's
-    other fix (no length normalisation) lives in the loss: use ``agg="seq-mean-token-sum"``.
+    other fix (no length normalisation) lives in the loss: use
+    ``agg="seq-mean-token-sum-norm"`` (the paper's constant ``MAX_TOKENS`` divisor).
     A group whose rewards are all equal gets exactly 0.
     """
     r = rewards.to(torch.float64)

@@ -33,13 +33,20 @@ def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor) -> Metrics:
-    """Approximate KL(old || new) (Schulman's k3) and ratio statistics over counted tokens."""
+    """KL(old || new) two ways and ratio statistics, over counted tokens.
+
+    With ``log_ratio = logp - old`` (tokens sampled from ``old``; Schulman 2020, "Approximating
+    KL Divergence", http://joschu.net/blog/kl-approx.html): ``approx_kl`` is the masked token
+    mean of k3, ``(r - 1) - log r``, and ``ppo_kl`` veRL's masked token mean of k1,
+    ``old - logp``.
+    """
     log_ratio = log_ratio.detach()
     ratio = log_ratio.exp()
     # Ratios are positive, so zeroing masked positions keeps them out of the max.
     ratio_max = torch.where(mask > 0, ratio, torch.zeros_like(ratio)).max()
     return {
         "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
+        "ppo_kl": masked_mean(-log_ratio, mask),
         "ratio_mean": masked_mean(ratio, mask),
         "ratio_max": ratio_max,
     }
@@ -53,8 +60,9 @@ def ppo_loss(
     clip_low: float = 0.2,
     clip_high: float | None = None,
     dual_clip: float | None = None,
-    agg: Aggregation = "token",
+    agg: Aggregation = "token-mean",
     is_weights: torch.Tensor | None = None,
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """PPO clipped surrogate loss with asymmetric and dual clipping.
 
@@ -66,12 +74,15 @@ def ppo_loss(
       arXiv:2503.14476). ``None`` means symmetric.
     - ``dual_clip = c > 1`` bounds the loss of negative-advantage tokens by ``-c * A`` so a huge
       ratio on a bad token cannot blow up the update (Ye et al. 2020, "Mastering Complex Control
-      in MOBA Games with Deep Reinforcement Learning", arXiv:1912.09729).
+      in MOBA Games with Deep Reinforcement Learning", arXiv:1912.09729): for ``A < 0`` the
+      token loss is ``min(L, -c * A)``. ``None`` (the default) disables it; veRL always applies
+      it, with ``clip_ratio_c = 3.0`` by default.
     - ``is_weights`` (``[batch, seq]``, treated as constants) multiply each token's loss; this is
       how off-policy corrections (TIS, masked IS, AReaL's behaviour weight) plug in.
+    - ``agg`` and ``norm_length``: how token losses become one number (``aggregate_loss``).
 
     Metrics: ``clip_frac`` (tokens where the clipped branch was chosen), ``dual_clip_frac``,
-    ``approx_kl``, ``ratio_mean``, ``ratio_max``.
+    ``approx_kl``, ``ppo_kl``, ``ratio_mean``, ``ratio_max``.
     """
     clip_high = clip_low if clip_high is None else clip_high
     adv = _per_token(advantages, logprobs).detach()
@@ -95,7 +106,7 @@ def ppo_loss(
         loss_mat = loss_mat * is_weights.detach()
 
     metrics.update(_ratio_metrics(log_ratio, mask))
-    return aggregate_loss(loss_mat, mask, agg), metrics
+    return aggregate_loss(loss_mat, mask, agg, norm_length), metrics
 
 
 def gspo_loss(
@@ -117,7 +128,12 @@ def gspo_loss(
     ``s_i,t = sg[s_i] * pi_t / sg[pi_t]``, which has the same value and gradient as GSPO for
     sequence advantages and also accepts per-token advantages ``[batch, seq]``.
 
-    Metrics: ``clip_frac`` is the fraction of *sequences* clipped, plus the token metrics.
+    The loss is aggregated ``"seq-mean-token-mean"``, the paper's ``1/G sum_i 1/|y_i| sum_t``.
+
+    Metrics: ``clip_frac_seq`` (= ``clip_frac``), the fraction of sequences (with counted
+    tokens) that have a clipped token — with per-sequence advantages, the fraction of sequences
+    clipped; ``clip_frac_token``, the fraction of counted tokens clipped (the paper's Figure 4
+    reports this one); plus the ratio metrics of the per-token ratios and ``seq_ratio_mean``.
     """
     adv = _per_token(advantages, logprobs).detach()
     log_ratio = _log_ratio(logprobs, old_logprobs, mask)
@@ -130,11 +146,17 @@ def gspo_loss(
     loss_mat = torch.maximum(unclipped, clipped)
 
     has_tokens = (mask.sum(dim=-1) > 0).float()
-    seq_clipped = (masked_sum((clipped > unclipped).float(), mask, dim=-1) > 0).float()
-    metrics = {"clip_frac": masked_mean(seq_clipped, has_tokens)}
+    token_clipped = (clipped > unclipped).float()
+    seq_clipped = (masked_sum(token_clipped, mask, dim=-1) > 0).float()
+    clip_frac_seq = masked_mean(seq_clipped, has_tokens)
+    metrics = {
+        "clip_frac": clip_frac_seq,
+        "clip_frac_seq": clip_frac_seq,
+        "clip_frac_token": masked_mean(token_clipped, mask),
+    }
     metrics.update(_ratio_metrics(log_ratio, mask))
     metrics["seq_ratio_mean"] = masked_mean(seq_log_ratio.detach().exp(), has_tokens)
-    return aggregate_loss(loss_mat, mask, "sequence"), metrics
+    return aggregate_loss(loss_mat, mask, "seq-mean-token-mean"), metrics
 
 
 def cispo_loss(
@@ -144,7 +166,8 @@ def cispo_loss(
     mask: torch.Tensor,
     clip_high: float = 0.28,
     clip_low: float | None = None,
-    agg: Aggregation = "token",
+    agg: Aggregation = "token-mean",
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """CISPO: REINFORCE with a clipped, stop-gradient importance weight.
 
@@ -152,7 +175,7 @@ def cispo_loss(
     arXiv:2506.13585, §3.1: ``L = -sg[clip(r, 1 - clip_low, 1 + clip_high)] * A * logp``.
     Unlike PPO, clipping the *weight* never removes a token's gradient, so rare "fork" tokens
     with large ratios still learn. The paper sets no lower bound (``clip_low=None``) and averages
-    over all tokens in the batch (``agg="token"``).
+    over all tokens in the batch (``agg="token-mean"``).
 
     Metrics: ``clip_frac`` (tokens whose weight was clipped) plus the ratio metrics.
     """
@@ -166,7 +189,7 @@ def cispo_loss(
 
     metrics = {"clip_frac": masked_mean((weight != ratio).float(), mask)}
     metrics.update(_ratio_metrics(log_ratio, mask))
-    return aggregate_loss(loss_mat, mask, agg), metrics
+    return aggregate_loss(loss_mat, mask, agg, norm_length), metrics
 
 
 def logprobs_from_logits(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -186,13 +209,17 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def entropy_bonus(
-    logits: torch.Tensor, mask: torch.Tensor, coef: float = 0.01, agg: Aggregation = "token"
+    logits: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float = 0.01,
+    agg: Aggregation = "token-mean",
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
-    """Entropy bonus as a loss term: ``-coef * H`` aggregated over counted tokens.
+    """Entropy bonus as a loss term: ``-coef * aggregate_loss(H, mask, agg, norm_length)``.
 
     Add it to the policy loss to discourage premature entropy collapse (Mnih et al. 2016,
     "Asynchronous Methods for Deep Reinforcement Learning", arXiv:1602.01783; used in PPO).
     Metrics: ``entropy`` (the aggregated, detached entropy).
     """
-    entropy = aggregate_loss(entropy_from_logits(logits), mask, agg)
+    entropy = aggregate_loss(entropy_from_logits(logits), mask, agg, norm_length)
     return -coef * entropy, {"entropy": entropy.detach()}

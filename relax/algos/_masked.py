@@ -12,7 +12,19 @@ from typing import Literal
 
 import torch
 
-Aggregation = Literal["token", "sequence", "seq-mean-token-sum"]
+Aggregation = Literal[
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "token",
+    "sequence",
+]
+"""veRL's four loss aggregation modes, plus Relax's first names for two of them."""
+
+AGGREGATION_ALIASES: dict[str, str] = {"token": "token-mean", "sequence": "seq-mean-token-mean"}
+"""Relax's first names: ``"token"`` is ``"token-mean"``, ``"sequence"`` is
+``"seq-mean-token-mean"`` (exactly the same reductions)."""
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -63,23 +75,43 @@ def masked_whiten(
 
 
 def aggregate_loss(
-    loss_mat: torch.Tensor, mask: torch.Tensor, agg: Aggregation = "token"
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    agg: Aggregation = "token-mean",
+    norm_length: float | None = None,
 ) -> torch.Tensor:
-    """Reduce a per-token loss ``[batch, seq]`` to a scalar.
+    """Reduce a per-token loss ``[batch, seq]`` to a scalar; veRL's ``loss_agg_mode`` names.
 
-    - ``"token"``: mean over every counted token in the batch, so long responses weigh more
-      (DAPO's token-level loss, Yu et al. 2025, arXiv:2503.14476).
-    - ``"sequence"``: mean over each sequence's tokens, then mean over sequences (the original
-      GRPO normalisation, Shao et al. 2024, arXiv:2402.03300).
-    - ``"seq-mean-token-sum"``: sum over each sequence's tokens, then mean over sequences — no
-      length normalisation (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783).
+    With ``m`` the mask, ``l`` the loss, ``n_i = sum_t m_it`` and ``S`` the sequences with
+    ``n_i > 0``:
 
-    Sequences with no counted token are left out of the sequence means.
+    - ``"token-mean"`` (alias ``"token"``): ``sum_it m l / sum_i n_i`` — every counted token of
+      the batch weighs the same, so long responses weigh more (DAPO's token-level loss, Yu et
+      al. 2025, arXiv:2503.14476).
+    - ``"seq-mean-token-mean"`` (alias ``"sequence"``): ``mean_{i in S} (sum_t m l / n_i)`` —
+      the original GRPO normalisation (Shao et al. 2024, arXiv:2402.03300).
+    - ``"seq-mean-token-sum"``: ``mean_{i in S} sum_t m l`` — no length normalisation.
+    - ``"seq-mean-token-sum-norm"``: ``sum_it m l / (B * norm_length)`` with ``B`` the number
+      of rows of ``loss_mat`` (all of them, counted tokens or not) and ``norm_length`` a
+      constant — Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training",
+      arXiv:2503.20783, which divides each response's token sum by the generation budget
+      ``MAX_TOKENS`` and averages over the batch). Neither divisor depends on the mask, so a
+      token's weight never depends on its response's length or on which tokens are masked.
+      veRL divides by ``loss_scale_factor`` alone (no ``B``); ``norm_length = f / B`` matches it.
+
+    Sequences with no counted token are left out of the sequence means (and add nothing to the
+    sums). An all-zero mask gives 0.
     """
-    if agg == "token":
+    agg = AGGREGATION_ALIASES.get(agg, agg)  # type: ignore[assignment]
+    if agg == "token-mean":
         return masked_mean(loss_mat, mask)
+    if agg == "seq-mean-token-sum-norm":
+        if norm_length is None or not norm_length > 0:
+            raise ValueError(f"seq-mean-token-sum-norm needs a norm_length > 0, got {norm_length}")
+        rows = max(loss_mat.shape[0], 1)
+        return masked_sum(loss_mat, mask) / (rows * norm_length)
     has_tokens = (mask.sum(dim=-1) > 0).to(loss_mat.dtype)
-    if agg == "sequence":
+    if agg == "seq-mean-token-mean":
         per_seq = masked_mean(loss_mat, mask, dim=-1)
     elif agg == "seq-mean-token-sum":
         per_seq = masked_sum(loss_mat, mask, dim=-1)

@@ -4,7 +4,9 @@ In async RL the tokens were sampled by a behaviour policy that differs from the 
 trained: the rollout engine (vLLM, other kernels, other precision) and, with ``staleness > 0``,
 an older version. These functions turn the log-prob gap into per-token importance weights
 ``[batch, seq]`` (constants, no gradient; 0 where ``mask`` is 0) that plug into
-``ppo_loss(..., is_weights=...)``, plus AReaL's decoupled PPO objective.
+``ppo_loss(..., is_weights=...)``, plus AReaL's decoupled PPO objective. The configurable
+suite (sequence-level weights, rejection sampling, batch normalisation) is in
+``relax.algos._correction``; ``tis_weights`` and ``masked_is_weights`` are two of its cases.
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ def decoupled_ppo_loss(
     clip_low: float = 0.2,
     clip_high: float | None = None,
     behavior_weight_cap: float | None = None,
-    agg: Aggregation = "token",
+    agg: Aggregation = "token-mean",
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """AReaL's decoupled PPO objective for stale, off-policy samples.
 
@@ -97,6 +100,7 @@ def decoupled_ppo_loss(
         clip_high=clip_high,
         agg=agg,
         is_weights=weights * mask,
+        norm_length=norm_length,
     )
     metrics["behavior_weight_mean"] = masked_mean(weights, mask)
     metrics["behavior_capped_frac"] = masked_mean(capped.float(), mask)

@@ -42,12 +42,15 @@ from relax.config._models import (
     CheckpointConfig,
     ClusterSection,
     DataConfig,
+    EvalConfig,
     KLConfig,
     LoggingConfig,
+    LoraConfig,
     MediaConfig,
     ModelConfig,
     ModelInitConfig,
     PortsConfig,
+    RolloutCorrectionConfig,
     SupervisorConfig,
     WandbConfig,
 )
@@ -115,10 +118,35 @@ class ClusterConfig(ConfigModel):
     """When training state is saved and resumed."""
     logging: LoggingConfig = LoggingConfig()
     """Logs and metrics."""
+    eval: EvalConfig = EvalConfig()
+    """Evaluation of the policy on held-out prompts during training (off unless `every_steps` > 0)."""
     actors: FrozenList[ActorConfig] = ()
     """User actors started in the supervisor tree next to the roles, one [[actors]] table each."""
 
     # ------------------------------------------------------------------ checks
+
+    @model_validator(mode="before")
+    @classmethod
+    def _norm_length_from_rollout(cls, data: Any) -> Any:
+        """ "seq-mean-token-sum-norm" divides by a constant length: unless one is set, the
+        generation budget ``rollout.max_new_tokens`` (Dr. GRPO's constant, and veRL's default:
+        the padded response length)."""
+        if not isinstance(data, dict):
+            return data
+        algorithm = data.get("algorithm")
+        if (
+            not isinstance(algorithm, dict)
+            or algorithm.get("loss_aggregation") != "seq-mean-token-sum-norm"
+            or "loss_norm_length" in algorithm
+        ):
+            return data
+        rollout = data.get("rollout")
+        budget = rollout.get("max_new_tokens") if isinstance(rollout, dict) else None
+        if budget is None:
+            budget = RolloutConfig.model_fields["max_new_tokens"].default
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+            return data  # rollout.max_new_tokens is reported as it is
+        return {**data, "algorithm": {**algorithm, "loss_norm_length": budget}}
 
     @field_validator("actors")
     @classmethod
@@ -190,6 +218,12 @@ class ClusterConfig(ConfigModel):
                     f" {'runs' if len(remote) == 1 else 'run'} elsewhere",
                     'use "ipc" (one machine), "tcp" (several) or "auto"',
                 )
+        if self.eval.enabled and any(actor.id == "eval" for actor in self.actors):
+            problems.add(
+                ("eval", "every_steps"),
+                'the evaluator is the child "eval", but an [[actors]] table already has that id',
+                "rename that actor",
+            )
         init = self.model.init
         needed = data.max_prompt_tokens + self.rollout.max_new_tokens
         if init is not None and init.max_position_embeddings < needed:
@@ -232,6 +266,8 @@ class ClusterConfig(ConfigModel):
 
     def _enabled_children(self) -> list[tuple[str, ChildConfig]]:
         children: list[tuple[str, ChildConfig]] = list(self.enabled_roles.items())
+        if self.eval.enabled:  # the evaluator is a child like a role (placement, transport)
+            children.append(("eval", self.eval))
         return children + [(actor.id, actor) for actor in self.actors]
 
     def shutdown_for(self, child: ChildConfig) -> float | Literal["brutal_kill"]:
@@ -460,8 +496,10 @@ __all__ = [
     "CriticConfig",
     "DataConfig",
     "DatasetConfig",
+    "EvalConfig",
     "KLConfig",
     "LoggingConfig",
+    "LoraConfig",
     "MediaConfig",
     "ModelConfig",
     "ModelInitConfig",
@@ -471,6 +509,7 @@ __all__ = [
     "RewardFunctionConfig",
     "RoleConfig",
     "RolloutConfig",
+    "RolloutCorrectionConfig",
     "ServerConfig",
     "SupervisorConfig",
     "TrainerConfig",

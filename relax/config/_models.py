@@ -21,6 +21,7 @@ from relax.config._base import (
     ConfigModel,
     Dtype,
     Fraction,
+    FrozenList,
     ImportPath,
     NonNegativeFloat,
     NonNegativeInt,
@@ -35,6 +36,7 @@ from relax.config._base import (
     show,
     value_error,
 )
+from relax.config._roles import ChildConfig
 
 MIN_SECRET_LENGTH = 16
 
@@ -266,6 +268,36 @@ class ModelInitConfig(ConfigModel):
         return self
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every linear layer of a Qwen2/Llama decoder block (the output head excluded)."""
+
+
+class LoraConfig(ConfigModel):
+    """``[model.lora]``: train LoRA adapters instead of the whole policy (needs ``peft``).
+
+    The base weights stay frozen: the optimiser holds only the adapters, and only they are
+    published to the rollouts and saved in checkpoints.
+    """
+
+    rank: PositiveInt = 8
+    """Rank r of each adapter: the update of a weight W (out x in) is B·A, A of r x in, B of out x r."""
+    alpha: PositiveFloat = 16.0
+    """The update is scaled by alpha / rank."""
+    target_modules: FrozenList[str] = LORA_TARGETS
+    """Names of the linear layers that get an adapter (matched against the end of each module's name, as peft does)."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training (0 keeps the trainer's log-probs equal to the rollout's)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets_named(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise value_error("must name at least one module", 'e.g. ["q_proj", "v_proj"]')
+        if any(not name.strip() for name in value):
+            raise value_error("must not contain an empty name")
+        return value
+
+
 class ModelConfig(ConfigModel):
     """``[model]``: the policy model; set exactly one of ``path`` and ``[model.init]``."""
 
@@ -279,6 +311,8 @@ class ModelConfig(ConfigModel):
     """Precision the model is loaded in for generation and scoring."""
     trust_remote_code: bool = False
     """Allow the model folder to run its own Python code (only for folders you trust)."""
+    lora: LoraConfig | None = None
+    """LoRA adapters trained on the frozen model (see `[model.lora]`); unset trains every weight."""
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> ModelConfig:
@@ -403,43 +437,181 @@ class DataConfig(ConfigModel):
 class KLConfig(ConfigModel):
     """``[algorithm.kl]``: the penalty keeping the policy near the reference model."""
 
-    estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (Schulman's k1, k2 or k3; k3 is unbiased and always ≥ 0)."""
+    estimator: Literal["k1", "k2", "k3", "abs", "mse", "low_var_kl"] = "k3"
+    """KL estimator per token, with log r = log p_ref - log p (Schulman 2020): "k1" = -log r; "k2" = (log r)² / 2; "k3" = r - 1 - log r (unbiased and always ≥ 0); veRL's names: "mse" = k2, "abs" = |log r|, "low_var_kl" = k3 clamped to [-10, 10]."""
     coef: NonNegativeFloat = 0.0
     """Weight of the KL term; 0 turns it off (and above 0 needs `[reference] enabled = true`)."""
     mode: Literal["reward", "loss"] = "loss"
     """Where the penalty goes: subtracted from the reward per token, or added to the loss."""
+    clamp: PositiveFloat | None = None
+    """Bound each token's KL estimate to [-clamp, clamp], in both modes; unset clamps nothing (except "low_var_kl", always within [-10, 10])."""
+
+
+class RolloutCorrectionConfig(ConfigModel):
+    """``[algorithm.rollout_correction]``: correct for tokens sampled by another policy than the one trained (another engine or precision; older weights when staleness > 0).
+
+    Computed from the ratio π_train / π_rollout of each counted token (the trainer's log-probs
+    before this step's update against the rollout's). Importance weights (`is_*`) multiply each
+    token's PPO loss; rejection rules (`reject_*`, and `is_mode = "mask"`) remove tokens or whole
+    sequences. All keys unset: no correction. A correction that drops tokens or normalises by
+    the batch costs one extra forward pass (without gradient) per step.
+    """
+
+    is_level: Literal["none", "token", "sequence", "geometric"] = "none"
+    """Importance weights (only with loss = "ppo_clip"): "none"; "token" = each token's ratio (TIS); "sequence" = the product of the response's ratios; "geometric" = their geometric mean (exp of the mean log-ratio). A sequence-level weight applies to every token of its response."""
+    is_mode: Literal["truncate", "mask"] = "truncate"
+    """What happens to large weights: "truncate" caps them at `is_high` (TIS); "mask" rejects the token ("token") or the whole sequence (otherwise) whose weight is outside [`is_low`, `is_high`] (masked IS, IcePop)."""
+    is_high: PositiveFloat = 2.0
+    """Cap of the weights ("truncate"), or upper bound of the kept band ("mask")."""
+    is_low: PositiveFloat | None = None
+    """Lower bound of the kept band, "mask" only; unset means 1 / `is_high`."""
+    is_batch_normalize: bool = False
+    """Divide the weights by their mean over the batch's kept tokens ("token") or kept sequences (otherwise), so they average exactly 1."""
+    reject_token_low: PositiveFloat | None = None
+    """Reject each token whose ratio is below this; unset: no lower bound."""
+    reject_token_high: PositiveFloat | None = None
+    """Reject each token whose ratio is above this; unset: no upper bound."""
+    reject_seq_k1: PositiveFloat | None = None
+    """Reject a whole sequence whose mean k1 (mean of log π_rollout - log π_train over its counted tokens) is above this; unset: off."""
+    reject_seq_k3: PositiveFloat | None = None
+    """Reject a whole sequence whose mean k3 (mean of r - 1 - log r, r = π_train / π_rollout) is above this; unset: off."""
+    reject_geo_low: PositiveFloat | None = None
+    """Reject a whole sequence whose geometric-mean ratio is below this; unset: no lower bound."""
+    reject_geo_high: PositiveFloat | None = None
+    """Reject a whole sequence whose geometric-mean ratio is above this; unset: no upper bound."""
+    on_reject: Literal["drop", "zero_weight"] = "drop"
+    """What a rejected token becomes: "drop" removes it from the loss mask, so it leaves the denominator of the policy loss, KL and entropy alike; "zero_weight" keeps it counted with weight 0 in the policy loss (loss = "ppo_clip" only; what off_policy = "icepop" does)."""
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> RolloutCorrectionConfig:
+        problems = Problems()
+        pairs = [
+            ("reject_token_low", "reject_token_high"),
+            ("reject_geo_low", "reject_geo_high"),
+        ]
+        if self.is_mode == "mask":
+            pairs.append(("is_low", "is_high"))
+        elif self.is_low is not None:
+            problems.add("is_low", 'applies only to is_mode = "mask"', "unset it, or set is_mode")
+        for low_key, high_key in pairs:
+            low, high = getattr(self, low_key), getattr(self, high_key)
+            if low is not None and high is not None and low >= high:
+                problems.add(low_key, f"must be below {high_key} ({high:g}), got {low:g}")
+        if self.is_mode == "mask" and self.is_low is None and self.is_high <= 1:
+            problems.add("is_high", f'must be above 1 with is_mode = "mask", got {self.is_high:g}')
+        problems.raise_if_any()
+        return self
+
+
+AGGREGATION_ALIASES = {"token": "token-mean", "sequence": "seq-mean-token-mean"}
+"""The first names of `[algorithm] aggregation`, and the `loss_aggregation` each means."""
 
 
 class AlgorithmConfig(ConfigModel):
-    """``[algorithm]``: how advantages and the policy loss are computed."""
+    """``[algorithm]``: how advantages and the policy loss are computed (`docs/algorithms.md` has every formula and paper)."""
 
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
-    """Advantage estimator: "grpo", "dr_grpo", "rloo" (group baselines), "reinforce_pp" (REINFORCE++), or "gae" (needs `[critic]`)."""
+    """Advantage estimator: "grpo", "dr_grpo", "rloo" (group baselines), "reinforce_pp" (REINFORCE++), or "gae" (needs `[critic]`). A group of one gets advantage 0 from the group baselines (veRL's GRPO gives it its raw score)."""
     loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
-    """Policy loss: "ppo_clip" (token-level clipped ratio), "gspo" (sequence-level ratio) or "cispo" (clipped importance weights)."""
+    """Policy loss: "ppo_clip" (token-level clipped ratio), "gspo" (sequence-level ratio; always aggregated "seq-mean-token-mean") or "cispo" (clipped importance weights)."""
     clip_low: float = Field(0.2, gt=0, allow_inf_nan=False)
     """Lower clip range: the ratio is clipped below at 1 - clip_low."""
     clip_high: float = Field(0.2, gt=0, allow_inf_nan=False)
     """Upper clip range: the ratio is clipped above at 1 + clip_high (DAPO's clip-higher uses e.g. 0.28)."""
     dual_clip: float | None = Field(None, gt=1, allow_inf_nan=False)
-    """Dual-clip bound c > 1 on the loss of negative-advantage tokens; unset disables it."""
-    aggregation: Literal["token", "sequence"] = "token"
-    """How per-token losses are averaged: over all tokens of the batch, or per sequence first."""
+    """Dual-clip constant c > 1 (Ye et al. 2020): the loss of a negative-advantage token is at most -c·A. Unset (the default) disables it; veRL applies it always with clip_ratio_c = 3.0, so set 3.0 to match."""
+    loss_aggregation: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """How per-token losses become one number (policy loss, KL loss and entropy alike), veRL's modes: "token-mean" (over every counted token of the batch), "seq-mean-token-mean" (per sequence first, then over sequences), "seq-mean-token-sum" (each sequence's sum, averaged over sequences), "seq-mean-token-sum-norm" (Dr. GRPO: the batch's sum / (rows x `loss_norm_length`))."""
+    loss_norm_length: PositiveFloat | None = None
+    """The constant length of "seq-mean-token-sum-norm", in tokens (unused otherwise): each sequence's token sum is divided by it, then averaged over the batch's rows. Unset, a cluster.toml takes the generation budget `rollout.max_new_tokens`, as Dr. GRPO does (and veRL, whose default is the padded response length; veRL divides the sum by its loss_scale_factor alone: its f is rows x this)."""
+    aggregation: Literal["token", "sequence"] | None = None
+    """Former name of `loss_aggregation`: "token" = "token-mean", "sequence" = "seq-mean-token-mean". Unset unless you use it; set with a `loss_aggregation` of another meaning, it is an error."""
     kl: KLConfig = KLConfig()
     """The KL penalty against the reference model."""
     entropy_coef: NonNegativeFloat = 0.0
     """Weight of the entropy bonus; 0 turns it off."""
     off_policy: Literal["none", "tis", "icepop", "decoupled"] = "none"
-    """Correction for the gap between the generating and the trained policy: none, truncated importance sampling, IcePop, or decoupled PPO."""
+    """Correction for the gap between the generating and the trained policy: none, truncated importance sampling, IcePop, or decoupled PPO. "tis" is `[algorithm.rollout_correction]` is_level = "token" with is_high = tis_cap; "icepop" is is_level = "token", is_mode = "mask", is_low = 1 / tis_cap, is_high = tis_cap, on_reject = "zero_weight"."""
     tis_cap: float = Field(2.0, gt=0, allow_inf_nan=False)
-    """Cap of the importance weights used by "tis" and "icepop"."""
+    """Cap of the importance weights used by off_policy "tis" and "icepop" (not by `[algorithm.rollout_correction]`: its cap is is_high)."""
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+    """Importance weights and rejection sampling for off-policy tokens (see `[algorithm.rollout_correction]`)."""
     dynamic_sampling: bool = False
     """Drop groups whose samples all got the same reward (they carry no signal), as in DAPO."""
     gamma: Fraction = 1.0
     """Discount factor, used by "gae" and "reinforce_pp"."""
     lam: Fraction = 0.95
     """GAE's λ, trading bias for variance; used only by "gae"."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_aggregation(cls, data: object) -> object:
+        # `aggregation` keeps its meaning by filling in `loss_aggregation`; both given with
+        # different meanings is refused rather than one silently winning.
+        former = data.get("aggregation") if isinstance(data, dict) else None
+        if not isinstance(data, dict) or not isinstance(former, str):
+            return data
+        meant = AGGREGATION_ALIASES.get(former)
+        if meant is None:
+            return data  # not a choice: the field's own check words the error
+        given = data.get("loss_aggregation", meant)
+        if given != meant:
+            raise_one(
+                "aggregation",
+                f"{show(data['aggregation'])} means loss_aggregation = {show(meant)}, but"
+                f" loss_aggregation = {show(given)} is set too",
+                "keep only loss_aggregation",
+            )
+        return {**data, "loss_aggregation": meant}
+
+    @model_validator(mode="after")
+    def _parts_agree(self) -> AlgorithmConfig:
+        problems = Problems()
+        if self.loss_aggregation == "seq-mean-token-sum-norm" and self.loss_norm_length is None:
+            problems.add(
+                "loss_norm_length",
+                'loss_aggregation "seq-mean-token-sum-norm" divides by a constant length,'
+                " but none is set",
+                "set loss_norm_length, e.g. to rollout.max_new_tokens",
+            )
+        rc = self.rollout_correction
+        default = RolloutCorrectionConfig()
+        changed = [
+            key for key in type(rc).model_fields if getattr(rc, key) != getattr(default, key)
+        ]
+        if self.off_policy in ("tis", "icepop") and changed:
+            problems.add(
+                ("rollout_correction", changed[0]),
+                f"conflicts with off_policy = {show(self.off_policy)}, which sets the"
+                " importance weights itself",
+                'use one of them: off_policy = "none" with the table, or drop the table',
+            )
+        elif rc.is_level != "none" and self.tis_cap not in (2.0, rc.is_high):
+            problems.add(
+                "tis_cap",
+                f"is read only by off_policy tis and icepop; [algorithm.rollout_correction]"
+                f" caps its weights at is_high ({rc.is_high:g})",
+                "set rollout_correction.is_high instead",
+            )
+        if rc.is_level != "none" and (self.loss != "ppo_clip" or self.off_policy == "decoupled"):
+            problems.add(
+                ("rollout_correction", "is_level"),
+                'importance weights need loss = "ppo_clip" without off_policy = "decoupled",'
+                f" got loss = {show(self.loss)}, off_policy = {show(self.off_policy)}",
+                'set is_level = "none" (rejection rules work with every loss)',
+            )
+        if rc.on_reject == "zero_weight" and (
+            self.loss != "ppo_clip" or self.off_policy == "decoupled"
+        ):
+            problems.add(
+                ("rollout_correction", "on_reject"),
+                '"zero_weight" needs loss = "ppo_clip" without off_policy = "decoupled"',
+                'use on_reject = "drop"',
+            )
+        problems.raise_if_any()
+        return self
 
 
 # --------------------------------------------------------------------------- [checkpoint], [logging]
@@ -492,3 +664,65 @@ class LoggingConfig(ConfigModel):
     """Serve Prometheus metrics (trainer metrics, actor states and restarts, bus gauges and counters) at `http://127.0.0.1:PORT/metrics` from the cluster's main process; PORT is `cluster.ports.metrics` (0 picks a free one) and `relax status` shows the URL."""
     wandb: WandbConfig = WandbConfig()
     """Weights & Biases settings."""
+
+
+# --------------------------------------------------------------------------- [eval]
+
+
+def _held_out_data() -> DataConfig:
+    # Seed 1, unshuffled: the built-in task's prompts under other ids and another order than
+    # training's seed 0 (it has only 100 distinct sums, so their texts do recur).
+    return DataConfig(seed=1, shuffle=False)
+
+
+class EvalConfig(ChildConfig):
+    """``[eval]``: evaluation of the policy on held-out prompts while it trains.
+
+    An evaluator (the child ``eval``, with its own engine) follows the published weights and
+    evaluates version v when v is a multiple of ``every_steps``, and the final version; it
+    never holds training up (a version it is too slow for is skipped, and counted).
+    """
+
+    shutdown: Shutdown | None = 120.0
+    """Seconds it gets to stop when the run ends — the final evaluation runs then — before it is killed (the final record is then missing), or "brutal_kill"."""
+    every_steps: NonNegativeInt = 0
+    """Evaluate every this many trainer steps (policy versions; version 0 is the starting policy) and the final version; 0 turns evaluation off."""
+    n_prompts: PositiveInt = 32
+    """Held-out prompts per evaluation (the same ones every time: the first this many of `[eval.data]`)."""
+    samples_per_prompt: PositiveInt = 4
+    """Samples per prompt, k: pass@k is estimated from them; must be 1 with `greedy`."""
+    greedy: bool = False
+    """Decode greedily (temperature 0) instead of sampling at `temperature`: one sample per prompt."""
+    temperature: NonNegativeFloat = 1.0
+    """Sampling temperature of evaluation (unused with `greedy`)."""
+    max_new_tokens: PositiveInt | None = None
+    """Most tokens per evaluation response; unset means `rollout.max_new_tokens`."""
+    pass_threshold: float = 1.0
+    """A sample is correct (for pass@1 and pass@k) when its reward is at least this; 1.0 is a full-credit answer of the built-in verifiers."""
+    seed: int = 0
+    """Sampling seed of evaluation: each prompt is seeded by it and its id, so every evaluation draws comparably."""
+    data: DataConfig = Field(default_factory=_held_out_data)
+    """Held-out prompts, as `[data]` describes prompts (file, generator or the built-in task; its `n_samples_per_prompt` is unused), except that `seed` defaults to 1 and `shuffle` to false here: the built-in task then gives other prompts (ids, order) than training's seed 0."""
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _held_out_defaults(cls, value: object) -> object:
+        # A written [eval.data] keeps the held-out seed and order unless it sets them.
+        if isinstance(value, dict):
+            return {"seed": 1, "shuffle": False, **value}
+        return value
+
+    def _collect_problems(self, problems: Problems) -> None:
+        super()._collect_problems(problems)
+        if self.greedy and self.samples_per_prompt != 1:
+            problems.add(
+                "samples_per_prompt",
+                "greedy decoding gives one answer per prompt, so it must be 1, got"
+                f" {self.samples_per_prompt}",
+                "set greedy = false to sample k answers per prompt",
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the evaluator runs."""
+        return self.every_steps > 0

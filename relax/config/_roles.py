@@ -7,7 +7,9 @@ docstrings are the user documentation, and cross-key checks of one table live in
 
 from __future__ import annotations
 
+import math
 import re
+import string
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -278,7 +280,87 @@ class RolloutConfig(RoleConfig):
             problems.add(("stop", index), "a stop string must not be empty")
 
 
-RewardKind = Literal["exact_match", "numeric", "math", "regex", "length_penalty", "python", "http"]
+RewardKind = Literal[
+    "exact_match",
+    "numeric",
+    "math",
+    "regex",
+    "length_penalty",
+    "python",
+    "http",
+    "reward_model",
+    "judge",
+]
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+class RewardModelConfig(ConfigModel):
+    """``[reward.functions.model]``: the model a "reward_model" or "judge" function loads, once per reward replica (so `reward.placement` and `[reward.ray]` decide which GPU or node it sits on)."""
+
+    path: str
+    """Local Hugging Face model folder (config.json, weights, tokenizer). Kind "reward_model": a sequence-classification model with one label, whose logit on prompt + response is the score; kind "judge": a causal LM."""
+    batch_size: PositiveInt = 16
+    """Samples per forward pass (padded together); the role's batch (`reward.batch_size`) is scored in chunks of this many."""
+    max_length: PositiveInt = 1024
+    """Tokens the model reads at most per sample (prompt + response, or the judge's filled-in template); a longer text keeps its last `max_length` tokens, the end of the response."""
+    dtype: Dtype = "float32"
+    """Dtype the weights are loaded in: "float32", "bfloat16" or "float16"."""
+    device: str = "auto"
+    """Where the model runs: "auto" (the first GPU the replica sees, else the CPU), "cpu", "cuda" or "cuda:N"."""
+
+    @field_validator("device")
+    @classmethod
+    def _device_form(cls, value: str) -> str:
+        if not _DEVICE.match(value):
+            raise value_error(f'must be "auto", "cpu", "cuda" or "cuda:N", got {show(value)}')
+        return value
+
+
+class JudgeConfig(ConfigModel):
+    """``[reward.functions.judge]``: how a "judge" function prompts its model and reads a score from the reply (greedy decoding, so a sample always gets the same score)."""
+
+    template: str
+    """The rubric the judge is prompted with; `{prompt}` and `{response}` become the sample's prompt and response (write `{{` and `}}` for literal braces)."""
+    score_pattern: str = r"Score: (\d+)"
+    """Regular expression searched in the judge's reply; its first group is the score, a number. A reply it does not match fails the sample with the reply as the reason."""
+    score_range: Annotated[tuple[float, float], AsTuple] = (0.0, 10.0)
+    """[low, high] of the judge's scale: a score s counts (s - low) / (high - low), in [0, 1]; a score outside the range fails the sample."""
+    max_new_tokens: PositiveInt = 32
+    """Tokens the judge generates at most per reply."""
+
+    @model_validator(mode="after")
+    def _usable(self) -> JudgeConfig:
+        problems = Problems()
+        problem = _template_problem(self.template)
+        if problem is not None:
+            problems.add("template", problem)
+        try:
+            groups = re.compile(self.score_pattern).groups
+        except re.error as exc:
+            problems.add("score_pattern", f"is not a valid regular expression: {exc}")
+        else:
+            if groups < 1:
+                problems.add("score_pattern", "needs a group around the score, e.g. (\\d+)")
+        low, high = self.score_range
+        if not (math.isfinite(low) and math.isfinite(high) and low < high):
+            problems.add("score_range", f"must be [low, high] with low < high, got {[low, high]}")
+        problems.raise_if_any()
+        return self
+
+
+def _template_problem(template: str) -> str | None:
+    """Why ``template`` cannot be filled with a prompt and a response, or None."""
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as exc:
+        return f"is not a valid template: {exc} (write {{{{ and }}}} for literal braces)"
+    unknown = sorted(fields - {"prompt", "response"})
+    if unknown:
+        return f"has unknown placeholders {unknown}: only {{prompt}} and {{response}} are filled"
+    if "response" not in fields:
+        return "has no {response} placeholder: the judge would never see the response"
+    return None
 
 
 class RewardFunctionConfig(ConfigModel):
@@ -287,7 +369,7 @@ class RewardFunctionConfig(ConfigModel):
     name: SafeName
     """Unique name of this function; its score is logged under it."""
     kind: RewardKind
-    """What it computes: "exact_match" (answer equals the reference), "numeric" (answers equal as numbers), "math" (answers equal as mathematics, by math-verify: LaTeX, fractions, \\boxed{}), "regex" (response matches `pattern`), "length_penalty" (penalises long responses), "python" (calls `target`) or "http" (POSTs to `target`)."""
+    """What it computes: "exact_match" (answer equals the reference), "numeric" (answers equal as numbers), "math" (answers equal as mathematics, by math-verify: LaTeX, fractions, \\boxed{}), "regex" (response matches `pattern`), "length_penalty" (penalises long responses), "python" (calls `target`), "http" (POSTs to `target`), "reward_model" (a sequence-classification model's score, `[reward.functions.model]`) or "judge" (an LLM prompted with a rubric, its reply parsed to a score in [0, 1]: `[reward.functions.model]` and `[reward.functions.judge]`)."""
     weight: float = Field(1.0, allow_inf_nan=False)
     """Multiplier of this function's score in the total reward (may be negative)."""
     target: str | None = None
@@ -302,6 +384,10 @@ class RewardFunctionConfig(ConfigModel):
     """For kind "python": the function scores a whole batch in one call, `fn(responses, samples, **options)` returning one score per sample (what a reward model needs); it gets up to `reward.batch_size` samples and `timeout` is per call."""
     components: dict[SafeName, Annotated[float, Field(allow_inf_nan=False)]] = {}
     """For a function that returns a table of named scores (e.g. `{"correct": 1.0, "format": 0.5}`): the weight of each in the total (a name not listed weighs 1), times `weight`. Each is logged as `<name>/<component>`."""
+    model: RewardModelConfig | None = None
+    """For kinds "reward_model" and "judge": the model, loaded once by each reward replica."""
+    judge: JudgeConfig | None = None
+    """For kind "judge": the rubric template and how a score is read from the reply."""
 
     @model_validator(mode="after")
     def _kind_needs(self) -> RewardFunctionConfig:
@@ -338,8 +424,24 @@ class RewardFunctionConfig(ConfigModel):
                     problems.add("pattern", f"is not a valid regular expression: {exc}")
         elif self.pattern is not None:
             problems.add("pattern", f'only kind "regex" uses pattern, not {show(kind)}')
+        self._model_tables(problems)
         problems.raise_if_any()
         return self
+
+    def _model_tables(self, problems: Problems) -> None:
+        kind = self.kind
+        if kind in ("reward_model", "judge"):
+            if self.model is None:
+                problems.add("model", f"kind {show(kind)} needs a [reward.functions.model] table")
+        elif self.model is not None:
+            problems.add(
+                "model", f'only kinds "reward_model" and "judge" use model, not {show(kind)}'
+            )
+        if kind == "judge":
+            if self.judge is None:
+                problems.add("judge", 'kind "judge" needs a [reward.functions.judge] table')
+        elif self.judge is not None:
+            problems.add("judge", f'only kind "judge" uses judge, not {show(kind)}')
 
 
 _DEFAULT_REWARD = RewardFunctionConfig(name="correct", kind="exact_match")

@@ -33,6 +33,15 @@ How it works, and why:
   cancelled caller's thread keeps running, and still excludes a swap). An *interruptible* engine
   instead hands an update to the generation in flight, which applies it between two forward
   passes — all weights at once, so no forward pass sees a mix of versions.
+- **LoRA.** With ``[model.lora]`` the engine's model carries the same adapters as the trainer's
+  (``relax.models.apply_lora``: injected in place, the forward computes base + scaled low-rank
+  path), and a weight load replaces the adapter tensors only — kilobytes, copied in place under
+  the same atomicity as full weights. Not merged into a kept base copy: the trainer computes
+  the unmerged form, so the engine's logprobs are the same computation as the trainer's rather
+  than one rounded differently; a swap is a copy of the adapter instead of an O(d²) re-merge
+  of every targeted weight; and no second copy of those weights is kept. The price is the
+  rank-r side path in every forward. A load is all adapter tensors or all full weights,
+  matching the engine: the other kind is refused by name (``relax.models.is_adapter_name``).
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from relax.config import LoraConfig
 from relax.engines._base import (
     EngineError,
     GenerateCall,
@@ -64,8 +74,13 @@ from relax.engines._base import (
 )
 from relax.models import (
     MediaSpec,
+    adapter_parameters,
+    adapter_problems,
+    apply_lora,
     collate_mm_inputs,
+    is_adapter_name,
     load_policy,
+    lora_config,
     pad_token_id,
     reset_rope_deltas,
     rope_deltas,
@@ -121,6 +136,8 @@ class HFEngine(GenerationEngine):
         )
         self._media = MediaSpec.from_model(model)
         self._mrope = uses_mrope(model)
+        self.lora = lora_config(model)
+        """The adapters the model carries (``None``: full weights); loads replace only them."""
         self._version = version
         self._lock: asyncio.Lock | None = None
         self._thread_lock = threading.Lock()
@@ -154,9 +171,13 @@ class HFEngine(GenerationEngine):
         version: int = 0,
         max_batch_size: int = 64,
         interruptible: bool = False,
+        lora: LoraConfig | None = None,
     ) -> HFEngine:
-        """Load a local HF model folder (see ``load_policy``) and serve it."""
+        """Load a local HF model folder (see ``load_policy``) and serve it; with ``lora``, with
+        fresh adapters (an identity update) that ``load_weights`` replaces."""
         model, tok = load_policy(path, dtype, tokenizer=tokenizer)
+        if lora is not None:
+            model = apply_lora(model, lora)
         pad = pad_token_id(tok, path)
         return cls(
             model,
@@ -509,6 +530,31 @@ class HFEngine(GenerationEngine):
             raise EngineError(
                 f"weights version {version} is older than the served version {self._version}"
             )
+        if self.lora is not None:
+            self._copy_adapter(items)
+        else:
+            self._copy_weights(items)
+        self._version = version
+        self._stats["weight_loads"] += 1
+        self._stats["weight_load_seconds"] += time.perf_counter() - started
+
+    def _copy_adapter(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        problems = adapter_problems(self.model, items)
+        if problems:  # checked before copying anything: a bad update leaves the old adapter
+            raise EngineError("adapter update refused: " + "; ".join(problems[:5]))
+        own = adapter_parameters(self.model)
+        with torch.no_grad():
+            for name, tensor in items:
+                own[name].copy_(tensor)
+
+    def _copy_weights(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        adapters = [name for name, _ in items if is_adapter_name(name)]
+        if adapters:
+            raise EngineError(
+                f"weight update refused: {len(adapters)} of {len(items)} tensors are LoRA adapter"
+                f" tensors (e.g. {adapters[0]!r}), but this engine serves full weights; serve"
+                " with the same [model.lora] as the trainer"
+            )
         current = self.model.state_dict()
         problems = []
         seen: set[str] = set()
@@ -533,9 +579,6 @@ class HFEngine(GenerationEngine):
         with torch.no_grad():
             for name, tensor in items:
                 current[name].copy_(tensor)
-        self._version = version
-        self._stats["weight_loads"] += 1
-        self._stats["weight_load_seconds"] += time.perf_counter() - started
 
 
 def _row_seed(seed: int, index: int) -> int:

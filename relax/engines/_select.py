@@ -4,20 +4,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from relax.config import RolloutConfig
+from relax.config import LoraConfig, RolloutConfig
 from relax.engines._base import GenerationEngine
 from relax.engines._hf import HFEngine
 
 
 def open_engine(
-    rollout: RolloutConfig, model_dir: str | Path, dtype: str = "float32"
+    rollout: RolloutConfig,
+    model_dir: str | Path,
+    dtype: str = "float32",
+    *,
+    lora: LoraConfig | None = None,
 ) -> GenerationEngine:
-    """The engine ``rollout.engine`` names, loaded from the HF folder ``model_dir``.
+    """The engine ``rollout.engine`` names, loaded from the HF folder ``model_dir``; with
+    ``lora`` (``[model.lora]``), it serves the adapters the trainer publishes.
 
     vLLM is imported only when chosen, so the CPU default never needs it installed.
     """
     if rollout.engine == "hf":
-        return HFEngine.from_pretrained(model_dir, dtype, interruptible=rollout.interruptible)
+        return HFEngine.from_pretrained(
+            model_dir, dtype, interruptible=rollout.interruptible, lora=lora
+        )
     from relax.engines._vllm import VLLMEngine
 
-    return VLLMEngine.from_pretrained(model_dir, dtype, options=rollout.vllm)
+    return VLLMEngine.from_pretrained(model_dir, dtype, options=rollout.vllm, lora=lora)

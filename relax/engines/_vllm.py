@@ -33,6 +33,9 @@ How it works, and why:
   ``collective_rpc("reload_weights", weights_iterator=...)`` reloads in place (vLLM repacks
   what it needs; ``apply_model(load_weights)`` is wrong on CPU) and the prefix cache, which
   holds keys/values of the old weights, is reset.
+- **LoRA** (``[model.lora]``): the base weights stay as loaded and each published adapter is
+  served as a vLLM ``LoRARequest`` (``_vllm_lora``); a generation runs with the adapter that
+  was current when it started.
 - **A polite guest.** Building an in-process vLLM changes process state: it reseeds the global
   RNGs, freezes the garbage collector and replaces ``torch.set_num_threads`` by a no-op. The
   engine restores all three afterwards. Several engines may share a process: vLLM's
@@ -57,7 +60,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from relax.config import VllmConfig
+from relax.config import LoraConfig, VllmConfig
 from relax.engines._base import (
     EngineError,
     GenerateCall,
@@ -69,8 +72,9 @@ from relax.engines._base import (
     StateDict,
     with_rates,
 )
+from relax.engines._vllm_lora import VllmAdapters, check_served, max_lora_rank
 from relax.errors import ConfigError, ConfigIssue
-from relax.models import load_tokenizer
+from relax.models import is_adapter_name, load_tokenizer
 
 _ENV_DEFAULTS = {
     # vLLM's internal sockets otherwise bind a non-loopback address.
@@ -218,8 +222,11 @@ class VLLMEngine(GenerationEngine):
         tokenizer: PreTrainedTokenizerBase,
         config: Any,
         version: int = 0,
+        adapters: VllmAdapters | None = None,
     ) -> None:
         self.llm: Any | None = llm
+        self.adapters = adapters
+        """The LoRA adapter served (``None``: full weights, reloaded in place)."""
         self.tokenizer = tokenizer
         self._vllm = vllm_module
         self.vocab_size = int(config.vocab_size)
@@ -247,11 +254,13 @@ class VLLMEngine(GenerationEngine):
         *,
         options: VllmConfig | None = None,
         version: int = 0,
+        lora: LoraConfig | None = None,
     ) -> VLLMEngine:
         """Start vLLM on a local HF model folder (the tiny ones of ``build_tiny_model`` too).
 
         Blocks while vLLM starts (seconds for a small model with ``enforce_eager``). On a CPU
-        build ``enforce_eager`` is always on (graph capture is a GPU feature).
+        build ``enforce_eager`` is always on (graph capture is a GPU feature). With ``lora``,
+        ``load_weights`` takes adapter tensors, served as LoRA requests.
         """
         options = options or VllmConfig()
         folder = Path(path)
@@ -272,6 +281,10 @@ class VLLMEngine(GenerationEngine):
             _check_cpu_head_size(config)
         tokenizer = load_tokenizer(folder)
         dtype_name = str(dtype).removeprefix("torch.")
+        lora_options: dict[str, Any] = {}
+        if lora is not None:  # checked before vLLM starts: it would refuse the first adapter
+            check_served(lora)
+            lora_options = {"enable_lora": True, "max_lora_rank": max_lora_rank(lora.rank)}
         global _LIVE_ENGINES
         with _PROCESS_LOCK, _host_state_restored():
             llm = vllm.LLM(
@@ -286,12 +299,25 @@ class VLLMEngine(GenerationEngine):
                 enable_prefix_caching=options.enable_prefix_caching,
                 logprobs_mode="processed_logprobs",
                 generation_config="vllm",
+                **lora_options,
             )
             _LIVE_ENGINES += 1
+        adapters = None
         try:
-            return cls(llm, vllm_module=vllm, tokenizer=tokenizer, config=config, version=version)
+            if lora is not None:
+                adapters = VllmAdapters(lora, config, str(folder.resolve()))
+            return cls(
+                llm,
+                vllm_module=vllm,
+                tokenizer=tokenizer,
+                config=config,
+                version=version,
+                adapters=adapters,
+            )
         except BaseException:
             _shutdown(llm)
+            if adapters is not None:
+                adapters.close()
             raise
 
     # ------------------------------------------------------------------ interface
@@ -382,6 +408,7 @@ class VLLMEngine(GenerationEngine):
                 [{"prompt_token_ids": prompt} for prompt, _, _ in jobs],
                 [self._request_params(params, seed) for _, _, seed in jobs],
                 use_tqdm=False,
+                lora_request=self.adapters.request if self.adapters is not None else None,
             )
             stops = set(params.stop_token_ids)
             out: list[Generation] = []
@@ -444,6 +471,18 @@ class VLLMEngine(GenerationEngine):
                 raise EngineError(
                     f"weights version {version} is older than the served version {self._version}"
                 )
+            if self.adapters is not None:
+                self.adapters.check(items)  # before vLLM sees anything: the old adapter stays
+                self.adapters.load(llm, version, items)
+                self._loaded(version, started)
+                return
+            adapters = [name for name, _ in items if is_adapter_name(name)]
+            if adapters:
+                raise EngineError(
+                    f"weight update refused: {len(adapters)} of {len(items)} tensors are LoRA"
+                    f" adapter tensors (e.g. {adapters[0]!r}), but this engine serves full"
+                    " weights; serve with the same [model.lora] as the trainer"
+                )
             # Checked before vLLM sees anything, so a bad update leaves the old weights whole.
             self._check_weights(items)
             weights = [(name, tensor.detach()) for name, tensor in items]
@@ -456,9 +495,12 @@ class VLLMEngine(GenerationEngine):
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             # Cached prefixes hold keys/values computed by the old weights.
             llm.reset_prefix_cache()
-            self._version = version
-            self._stats["weight_loads"] += 1
-            self._stats["weight_load_seconds"] += time.perf_counter() - started
+            self._loaded(version, started)
+
+    def _loaded(self, version: int, started: float) -> None:
+        self._version = version
+        self._stats["weight_loads"] += 1
+        self._stats["weight_load_seconds"] += time.perf_counter() - started
 
     # ------------------------------------------------------------------ shutdown
 
@@ -467,6 +509,8 @@ class VLLMEngine(GenerationEngine):
             llm, self.llm = self.llm, None
             if llm is not None:
                 _shutdown(llm)
+            if self.adapters is not None:
+                self.adapters.close()
 
 
 def _top(entry: Mapping[int, Any], count: int) -> list[tuple[int, float]]:

@@ -16,14 +16,32 @@ build the tiny Qwen2.5-Omni thinker and its offline processor directly;
 ``enable_video_without_torchvision`` lets ``AutoProcessor`` load video processors without
 torchvision.
 
+LoRA (``[model.lora]``, needs ``peft``): ``apply_lora(model, cfg)`` injects adapters in place
+(base frozen); ``adapter_state_dict`` / ``load_adapter_state`` move only the adapter tensors,
+named so they are never mistaken for full weights (``is_adapter_name``); ``save_adapter`` /
+``read_adapter`` use peft's folder layout and ``merge_lora`` writes a merged plain model folder.
+
 Generation lives in ``relax.engines``, which loads its models through this package. This
 package imports torch, transformers, tokenizers, NumPy, Pillow and ``relax.errors`` /
-``relax.config`` only.
+``relax.config`` only (and ``peft`` when an adapter is used).
 """
 
 from __future__ import annotations
 
 from relax.errors import EngineError
+from relax.models._lora import (
+    adapter_parameters,
+    adapter_problems,
+    adapter_state_dict,
+    apply_lora,
+    is_adapter_folder,
+    is_adapter_name,
+    load_adapter_state,
+    lora_config,
+    merge_lora,
+    read_adapter,
+    save_adapter,
+)
 from relax.models._multimodal import (
     MediaSpec,
     collate_mm_inputs,
@@ -68,6 +86,10 @@ __all__ = [
     "EngineError",
     "MediaSpec",
     "NumpyQwen2VLVideoProcessor",
+    "adapter_parameters",
+    "adapter_problems",
+    "adapter_state_dict",
+    "apply_lora",
     "build_byte_tokenizer",
     "build_omni_tokenizer",
     "build_tiny_model",
@@ -75,17 +97,24 @@ __all__ = [
     "check_vocab",
     "collate_mm_inputs",
     "enable_video_without_torchvision",
+    "is_adapter_folder",
+    "is_adapter_name",
     "is_multimodal",
+    "load_adapter_state",
     "load_omni_processor",
     "load_policy",
     "load_processor",
     "load_tokenizer",
+    "lora_config",
     "media_token_ids",
+    "merge_lora",
     "omni_processor",
     "pad_token_id",
     "processor_kwargs",
+    "read_adapter",
     "reset_rope_deltas",
     "rope_deltas",
+    "save_adapter",
     "stop_token_ids",
     "suppressed_token_ids",
     "torch_dtype",

@@ -3,6 +3,8 @@
 - :mod:`relax.observe` sinks — where the trainer's per-step metric records go (``[logging]``
   ``jsonl``, ``tensorboard``, ``wandb``): :class:`MetricsSink`, :func:`build_sinks`,
   :class:`MetricsFanout`;
+- the evaluator's records (``[eval]``): ``RUN_DIR/eval.jsonl`` (:data:`EVAL_FILE`,
+  :func:`last_eval`) and ``tensorboard/eval/``;
 - the Prometheus endpoint — ``http://127.0.0.1:PORT/metrics`` in the cluster's main process,
   collected on scrape from the control-plane status: :func:`serve_metrics`, :func:`render`;
 - per-actor JSON log files (``RUN_DIR/logs/<actor>.jsonl``) live in :mod:`relax.log`
@@ -20,6 +22,8 @@ from relax.observe._prometheus import (
     status_metrics,
 )
 from relax.observe._sinks import (
+    EVAL_FILE,
+    EVAL_TENSORBOARD_DIR,
     METRICS_FILE,
     TENSORBOARD_DIR,
     WANDB_DIR,
@@ -33,6 +37,7 @@ from relax.observe._sinks import (
     build_sinks,
     check_sinks,
     import_wandb,
+    last_eval,
     numeric_metrics,
 )
 
@@ -40,6 +45,8 @@ __all__ = [
     "ACTOR_STATES",
     "CLUSTER_LOG",
     "ENV_LOG_DIR",
+    "EVAL_FILE",
+    "EVAL_TENSORBOARD_DIR",
     "LOGS_DIR",
     "METRICS_FILE",
     "TENSORBOARD_DIR",
@@ -57,6 +64,7 @@ __all__ = [
     "build_sinks",
     "check_sinks",
     "import_wandb",
+    "last_eval",
     "log_file",
     "log_files",
     "numeric_metrics",

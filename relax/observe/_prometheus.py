@@ -10,6 +10,9 @@ global one. Metric names (labels in braces):
   ``relax_trainer_<field>`` per numeric field of the newest ``metrics.jsonl`` record
   (``relax_trainer_reward_mean``, ``_loss``, ``_approx_kl``, ``_entropy``,
   ``_step_time_s``, ``_step``, ``_applied`` as 0/1, ...);
+- evaluation ([eval]): ``relax_eval_version`` and one gauge ``relax_eval_<field>`` per
+  ``eval/`` field of the newest ``eval.jsonl`` record (``relax_eval_mean_reward``,
+  ``relax_eval_pass_1``, ``relax_eval_pass_k``, ``relax_eval_skipped_versions``, ...);
 - actors (``actor`` is the child id; ``a/b`` inside a nested supervisor):
   ``relax_actor_restarts_total``, ``relax_actor_up``, ``relax_actor_state{state}`` (1 for the
   current state, 0 for the others), ``relax_actor_uptime_seconds``, ``relax_actor_processes``,
@@ -45,6 +48,7 @@ from prometheus_client.core import (
 
 from relax.actors import ChildState
 from relax.log import get_logger
+from relax.observe._sinks import last_eval
 from relax.schema import (
     BusStatistics,
     ChildSnapshot,
@@ -139,6 +143,8 @@ def status_metrics(status: StatusSnapshot) -> list[Metric]:
     out.gauge("relax_uptime_seconds", "Seconds since the cluster started.", status.get("uptime_s"))
     out.gauge("relax_paused", "1 while generation is paused (relax pause).", status.get("paused"))
     _trainer(out, status.get("trainer") or {})
+    if status.get("run_dir"):
+        _eval(out, last_eval(str(status["run_dir"])))
     tree = status.get("tree")
     if isinstance(tree, dict):
         _supervisor(out, tree, prefix="")
@@ -160,6 +166,19 @@ def _trainer(out: _Families, trainer: TrainerInfo) -> None:
         name = f"relax_trainer_{_name(key)}"
         if name != "relax_trainer_version":
             out.gauge(name, f"The trainer's {key!r} in its newest metrics record.", value)
+
+
+def _eval(out: _Families, record: dict[str, Any] | None) -> None:
+    """Gauges of the newest evaluation ([eval]), read from ``eval.jsonl``."""
+    if record is None:
+        return
+    out.gauge(
+        "relax_eval_version", "The policy version of the newest evaluation.", record.get("version")
+    )
+    for key, value in record.items():
+        if str(key).startswith("eval/"):
+            name = f"relax_{_name(key)}"
+            out.gauge(name, f"The evaluator's {key!r} in its newest evaluation.", value)
 
 
 def _supervisor(out: _Families, node: TreeSnapshot | ChildSnapshot, prefix: str) -> None:

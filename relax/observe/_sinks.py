@@ -33,6 +33,10 @@ METRICS_FILE = "metrics.jsonl"
 """The trainer's metrics in a run folder."""
 TENSORBOARD_DIR = "tensorboard"
 """TensorBoard event files in a run folder."""
+EVAL_FILE = "eval.jsonl"
+"""The evaluator's metrics in a run folder ([eval]): one record per evaluated version."""
+EVAL_TENSORBOARD_DIR = "tensorboard/eval"
+"""The evaluator's TensorBoard events in a run folder (a TensorBoard run beside the trainer's)."""
 WANDB_DIR = "wandb"
 """Weights & Biases' local files in a run folder."""
 WANDB_ID_FILE = "wandb-run-id"
@@ -50,6 +54,22 @@ def numeric_metrics(record: Mapping[str, Any], *, skip: Iterable[str] = ()) -> d
         if isinstance(value, (bool, int, float)):
             out[str(key)] = float(value)
     return out
+
+
+def last_eval(run_dir: str | Path) -> dict[str, Any] | None:
+    """The newest record of ``RUN_DIR/eval.jsonl`` (``None`` when there is none yet); a torn
+    last line (being written) is skipped. The file holds one short line per evaluation."""
+    path = Path(run_dir) / EVAL_FILE
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        with contextlib.suppress(json.JSONDecodeError):
+            record = json.loads(line)
+            if isinstance(record, dict):
+                return record
+    return None
 
 
 def _step_of(record: MetricRecord, fallback: int) -> int:
@@ -124,6 +144,12 @@ class WandbSink(MetricsSink):
 
     The run's id is kept in ``RUN_DIR/wandb-run-id``, so a restarted (or resumed) trainer
     continues the same W&B run rather than starting a new one.
+
+    The evaluator (``[eval]``) runs in a process of its own and writes ``RUN_DIR/eval.jsonl``;
+    one W&B run takes one writer, so this sink forwards the evaluator's new records into the
+    trainer's run: at each write and at ``close``, every whole new line of ``eval.jsonl`` is
+    logged at the current step, its version as ``eval/version`` (an evaluation that ends after
+    the trainer closed its sinks is not in W&B).
     """
 
     name = "wandb"
@@ -162,6 +188,9 @@ class WandbSink(MetricsSink):
         self._pending: list[tuple[dict[str, float], int]] = []
         self._lock = threading.Lock()
         self._count = 0
+        self._eval_file = run_dir / EVAL_FILE
+        self._eval_offset = 0  # bytes of eval.jsonl already forwarded
+        self._step = 0
         self._init = threading.Thread(
             target=self._start, args=(wandb, options), name="wandb-init", daemon=True
         )
@@ -182,16 +211,39 @@ class WandbSink(MetricsSink):
     def write(self, record: MetricRecord) -> None:
         if self._error is not None:
             raise RuntimeError(f"wandb.init failed: {self._error}") from self._error
-        step = _step_of(record, self._count)
+        step = self._step = _step_of(record, self._count)
         self._count += 1
-        data = numeric_metrics(record, skip=("step",))
+        self._log(numeric_metrics(record, skip=("step",)), step)
+        self._forward_evals()
+
+    def _log(self, data: dict[str, float], step: int) -> None:
         with self._lock:
             if self.run is None:
                 self._pending.append((data, step))
             else:
                 self.run.log(data, step=step)
 
+    def _forward_evals(self) -> None:
+        """Log the evaluator's records added to ``eval.jsonl`` since the last look (whole
+        lines only: one being written waits for the next look)."""
+        try:
+            with self._eval_file.open("rb") as f:
+                f.seek(self._eval_offset)
+                data = f.read()
+        except OSError:  # no evaluator, or no evaluation yet
+            return
+        whole = data[: data.rfind(b"\n") + 1]
+        self._eval_offset += len(whole)
+        for line in whole.splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    metrics = numeric_metrics(record, skip=("step", "time", "started"))
+                    metrics["eval/version"] = float(record.get("version", record.get("step", 0)))
+                    self._log(metrics, self._step)
+
     def close(self) -> None:
+        self._forward_evals()  # the evaluator's final record, written as the run stopped
         self._init.join(self.init_timeout)
         if self._error is not None:
             raise RuntimeError(f"wandb.init failed: {self._error}") from self._error

@@ -114,15 +114,29 @@ class RewardSet:
             try:
                 verifiers.append(build_verifier(function, context))
             except OptionError as exc:
-                path = f"reward.functions[{index}]"
-                if exc.key == "target":
-                    path += ".target"
-                elif exc.key is not None:
-                    path += f".options.{exc.key}"
-                issues.append(ConfigIssue(path=path, message=exc.message))
+                issues.append(_issue(index, exc))
         if issues:
             raise ConfigError(issues)
         return cls(verifiers)
+
+    @property
+    def loads(self) -> bool:
+        """Whether ``load`` has anything to do (a function is model-backed)."""
+        return any(verifier.loads for verifier in self.verifiers)
+
+    def load(self) -> None:
+        """Load what the functions need before the first sample (a reward model's weights):
+        the reward role calls it once per replica as it starts. Blocking; ``ConfigError``
+        naming the function's key when a model cannot be used (e.g. the wrong number of
+        labels). Functions not loaded here load on their first call."""
+        issues: list[ConfigIssue] = []
+        for index, verifier in enumerate(self.verifiers):
+            try:
+                verifier.load()
+            except OptionError as exc:
+                issues.append(_issue(index, exc))
+        if issues:
+            raise ConfigError(issues)
 
     # ----------------------------------------------------------------------- scoring
 
@@ -220,6 +234,9 @@ class RewardSet:
                 raise _Failure("invalid", f"returned {len(raw)} scores for {len(samples)} samples")
             outcomes = []
             for value in raw:
+                if isinstance(value, Exception):  # this sample alone could not be scored
+                    outcomes.append(_Failure("invalid", str(value), value))
+                    continue
                 try:
                     outcomes.append(_as_scores(value))
                 except _Failure as failure:
@@ -324,6 +341,17 @@ class RewardSet:
             "abandoned_alive": sum(thread.is_alive() for thread in self._abandoned),
             "functions": functions,
         }
+
+
+def _issue(index: int, exc: OptionError) -> ConfigIssue:
+    """``exc`` at its key path: ``target``, a dotted table key (``model.path``) as it is, any
+    other key as an option."""
+    path = f"reward.functions[{index}]"
+    if exc.key == "target" or (exc.key is not None and "." in exc.key):
+        path += f".{exc.key}"
+    elif exc.key is not None:
+        path += f".options.{exc.key}"
+    return ConfigIssue(path=path, message=exc.message)
 
 
 def _timed_out(timeout: float) -> str:

@@ -62,6 +62,8 @@ class Verifier:
     mode: Mode = "inline"
     batched: bool = False
     """Scores a whole batch per call (``score_batch``) rather than one sample (``__call__``)."""
+    loads: ClassVar[bool] = False
+    """Has something to ``load`` before scoring (a model)."""
 
     def __init__(self, config: RewardFunctionConfig, context: BuildContext) -> None:
         self.name = config.name
@@ -82,8 +84,14 @@ class Verifier:
         raise NotImplementedError
 
     def score_batch(self, responses: list[str], samples: list[Sample]) -> Any:
-        """For a ``batched`` verifier: one score per sample, in order (or an awaitable)."""
+        """For a ``batched`` verifier: one score per sample, in order (or an awaitable). An
+        ``Exception`` instance in place of a score fails that sample alone, its message the
+        reason (e.g. a judge reply with no score in it)."""
         raise NotImplementedError
+
+    def load(self) -> None:
+        """Load what scoring needs once, before the first call (``RewardSet.load``); the
+        model kinds load their weights here. Nothing by default."""
 
     def _option(self, key: str, kind: type | tuple[type, ...], default: Any) -> Any:
         value = self.options.get(key, default)

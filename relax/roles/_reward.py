@@ -14,6 +14,7 @@ the function's last exception, so the user sees their own traceback), which stop
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -212,6 +213,11 @@ class RewardRole(Actor):
             answer_key="answer",
             max_response_tokens=self.cfg.rollout.max_new_tokens,
         )
+        # Model-backed functions load their weights once per replica, here, off the loop (so
+        # heartbeats go on) and before the first batch (so loading never counts against a
+        # call's timeout).
+        if self.rewards.loads:
+            await asyncio.to_thread(self.rewards.load)
 
     async def run(self) -> None:
         throttle = WarningThrottle(self.log)

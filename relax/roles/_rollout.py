@@ -146,8 +146,14 @@ class RolloutRole(Actor):
         if pause_requested(self.run_dir):
             self._unpaused.clear()
         # In a worker thread: starting vLLM takes seconds, and heartbeats must keep flowing.
+        # With [model.lora] the engine serves the adapters the trainer publishes (adapter
+        # tensors only; the base stays this folder's).
         self.engine = await asyncio.to_thread(
-            open_engine, self.cfg.rollout, self.model_dir, self.cfg.model.dtype
+            open_engine,
+            self.cfg.rollout,
+            self.model_dir,
+            self.cfg.model.dtype,
+            lora=self.cfg.model.lora,
         )
         rollout = self.cfg.rollout
         if rollout.agent.kind != "single" or rollout.serves():

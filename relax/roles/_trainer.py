@@ -147,6 +147,7 @@ class TrainerRole(LearnerRole):
                 self.cfg.rollout.temperature,
                 rank=ctx.rank,
                 world_size=ctx.size,
+                lora=self.cfg.model.lora,  # only the adapters train, publish and checkpoint
             )
 
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None

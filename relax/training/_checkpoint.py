@@ -1,4 +1,5 @@
-"""Checkpoint files: Hugging Face safetensors weights, optimiser and RNG state, metadata.
+"""Checkpoint files: Hugging Face safetensors weights (or a LoRA adapter), optimiser and RNG
+state, metadata.
 
 Nothing here unpickles arbitrary objects: weights are safetensors, metadata is JSON, and the
 optimiser/RNG file is read with ``torch.load(weights_only=True)``, which only rebuilds tensors
@@ -18,6 +19,10 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+
+from relax.config import LoraConfig
+from relax.errors import ConfigError, ConfigIssue
+from relax.models import adapter_parameters, read_adapter, save_adapter
 
 META_FILE = "relax_trainer.json"
 """JSON metadata: format, backend, version and Python's ``random`` state."""
@@ -117,3 +122,74 @@ def read_meta(directory: Path) -> dict[str, Any]:
     if meta.get("format") != FORMAT:
         raise ValueError(f"unsupported checkpoint format {meta.get('format')!r} in {path}")
     return meta
+
+
+# --------------------------------------------------------------------------- LoRA
+
+
+def check_only_adapters_train(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
+    """``params`` (what requires gradients) must be exactly ``model``'s LoRA adapters."""
+    adapters = {id(p) for p in adapter_parameters(model).values()}
+    trainable = {id(p) for p in params}
+    if trainable != adapters:
+        extra = [n for n, p in model.named_parameters() if id(p) in trainable - adapters]
+        raise ValueError(
+            f"a LoRA model must train its adapters only; also trainable: {extra[:3]}"
+            if extra
+            else "a LoRA model must train every adapter; some do not require gradients"
+        )
+
+
+def lora_meta(lora: LoraConfig | None) -> dict[str, Any]:
+    """What the metadata file says of the adapter (nothing for full weights)."""
+    return {} if lora is None else {"lora": lora.model_dump(mode="json")}
+
+
+def save_lora(
+    directory: Path, model: torch.nn.Module, lora: LoraConfig, state: dict[str, torch.Tensor]
+) -> None:
+    """Write the adapter ``state`` in peft's layout, naming the base model's folder (what
+    ``relax ckpt export`` merges it onto)."""
+    base = getattr(model, "name_or_path", None) or None
+    if base is not None and Path(base).is_dir():
+        base = str(Path(base).resolve())
+    save_adapter(directory, lora, state, base)
+
+
+def read_lora(directory: Path) -> dict[str, torch.Tensor]:
+    """The adapter tensors (adapter names) a LoRA checkpoint holds."""
+    state, _, _ = read_adapter(directory)
+    return state
+
+
+def check_lora_matches(meta: dict[str, Any], lora: LoraConfig | None, path: Path) -> None:
+    """``ConfigError`` at ``model.lora`` when the checkpoint at ``path`` and the model disagree
+    on LoRA: an adapter cannot resume full weights, nor full weights an adapter, nor an adapter
+    of another rank or other target modules."""
+    saved = meta.get("lora")
+    if saved is None and lora is None:
+        return
+    if saved is None:
+        problem = "is set, but the checkpoint holds full weights (written without [model.lora])"
+        hint = "remove [model.lora] to resume it, or start a new run"
+    elif lora is None:
+        problem = (
+            f"is not set, but the checkpoint holds a LoRA adapter (rank {saved['rank']},"
+            f" targets {saved['target_modules']})"
+        )
+        hint = "set [model.lora] as the run that wrote it had it"
+    else:
+        ours = lora.model_dump(mode="json")
+
+        def shape(c: dict[str, Any]) -> tuple[Any, ...]:
+            return c["rank"], float(c["alpha"]), sorted(c["target_modules"])
+
+        if shape(ours) == shape(saved):
+            return
+        problem = (
+            f"(rank {ours['rank']}, alpha {ours['alpha']}, targets {ours['target_modules']})"
+            f" differs from the checkpoint's adapter (rank {saved['rank']}, alpha"
+            f" {saved['alpha']}, targets {saved['target_modules']})"
+        )
+        hint = "resume with the [model.lora] the checkpoint was written with"
+    raise ConfigError([ConfigIssue("model.lora", f"{problem}: {path}", hint=hint)])

@@ -28,6 +28,11 @@ Checkpoints (collective on every rank): Hugging Face ``model.safetensors`` + ``c
 fp32 master partitions and optimiser state of every rank), per-rank RNG state and the JSON
 metadata; written to a temp dir that rank 0 renames into place.
 
+LoRA: a model with adapters (``relax.models.apply_lora``) hands DeepSpeed only the adapter
+parameters; the frozen base is left out of its optimiser, of its checkpoint
+(``exclude_frozen_parameters``) and of every publish, which holds the adapter tensors alone;
+the Hugging Face part of a checkpoint is the adapter in peft's layout.
+
 The engine's config comes from ``_deepspeed_config``, safe reading of DeepSpeed's checkpoint
 files from ``_deepspeed_checkpoint``; the world the ranks share and the bytes they exchange over
 it from :mod:`relax.transport`.
@@ -45,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from relax.config import AlgorithmConfig, TrainerConfig
+from relax.models import adapter_parameters, adapter_problems, lora_config
 from relax.training import _checkpoint as ckpt
 from relax.training._deepspeed_checkpoint import DS_TAG, aliases, load_weights_only
 from relax.training._deepspeed_config import (
@@ -96,9 +102,13 @@ class DeepSpeedBackend(SafeStepBackend):
         self.stage = trainer_config.effective_zero_stage or 0
         model = model.to(TORCH_DTYPES[self.mode])
         model.train()
+        self.lora = lora_config(model)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if self.lora is not None:
+            ckpt.check_only_adapters_train(model, trainable)
         self.engine, *_ = deepspeed.initialize(
             model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            model_parameters=trainable,
             config=deepspeed_config(trainer_config, self.world_size, self.mode),
         )
         self.model: torch.nn.Module = self.engine.module
@@ -224,13 +234,19 @@ class DeepSpeedBackend(SafeStepBackend):
             return contextlib.nullcontext()
         return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
 
+    def _publishable(self) -> dict[str, torch.Tensor]:
+        """What a publish holds: every weight, or the adapters of a LoRA model."""
+        if self.lora is not None:
+            return dict(adapter_parameters(self.model))
+        return self.model.state_dict(keep_vars=True)
+
     def state_dict_for_publish(self, *, every_rank: bool = False) -> dict[str, torch.Tensor]:
-        """Full CPU weights under Hugging Face names on rank 0 (on every rank with
-        ``every_rank``; other ranks get ``{}``). Collective under ZeRO-3, which gathers each
-        partitioned weight in turn."""
+        """Full CPU weights under Hugging Face names (with LoRA: the adapter tensors, adapter
+        names) on rank 0 (on every rank with ``every_rank``; other ranks get ``{}``).
+        Collective under ZeRO-3, which gathers each partitioned weight in turn."""
         keep = self.is_main or every_rank
         out: dict[str, torch.Tensor] = {}
-        for name, tensor in self.model.state_dict(keep_vars=True).items():
+        for name, tensor in self._publishable().items():
             with self._gathered([tensor]):
                 if keep:
                     out[name] = tensor.detach().to("cpu", copy=True).contiguous()
@@ -239,13 +255,19 @@ class DeepSpeedBackend(SafeStepBackend):
     def adopt(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         """Continue from published weights ``version`` (collective; every rank passes them,
         only rank 0's count under ZeRO-3). The optimiser's moments start afresh."""
-        own = self.model.state_dict(keep_vars=True)
-        unexpected = sorted(set(state_dict) - set(own))
-        missing = sorted(set(own) - set(state_dict) - aliases(own))
-        if unexpected or missing:  # checked before anything is copied: no half-loaded model
-            raise ValueError(
-                f"published weights do not fit the model: missing {missing}, unexpected {unexpected}"
-            )
+        own = self._publishable()
+        if self.lora is not None:
+            problems = adapter_problems(self.model, state_dict.items())
+            if problems:  # checked before anything is copied: no half-loaded adapter
+                raise ValueError("published adapter does not fit the model: " + "; ".join(problems))
+        else:
+            unexpected = sorted(set(state_dict) - set(own))
+            missing = sorted(set(own) - set(state_dict) - aliases(own))
+            if unexpected or missing:  # checked before anything is copied: no half-loaded model
+                raise ValueError(
+                    f"published weights do not fit the model: missing {missing},"
+                    f" unexpected {unexpected}"
+                )
         with torch.no_grad():
             for name, tensor in own.items():
                 if name not in state_dict:
@@ -286,17 +308,25 @@ class DeepSpeedBackend(SafeStepBackend):
 
     def _write_checkpoint(self, tmp: Path | None) -> None:
         folder = Path(broadcast_bytes(str(tmp).encode() if tmp is not None else None).decode())
-        self.engine.save_checkpoint(str(folder), tag=DS_TAG, save_latest=False)
+        self.engine.save_checkpoint(
+            str(folder),
+            tag=DS_TAG,
+            save_latest=False,
+            exclude_frozen_parameters=self.lora is not None,  # the base is the model folder's
+        )
         torch.save(
             {"rng": ckpt.rng_state(), "python_random": ckpt.python_random_state()},
             folder / f"rng-rank{self.rank}.pt",
         )
         weights = self.state_dict_for_publish()
         if self.is_main:
-            save = getattr(self.model, "save_pretrained", None)
-            if save is None:
-                raise TypeError("DeepSpeedBackend checkpoints need a Hugging Face model")
-            save(str(folder), state_dict=weights)
+            if self.lora is not None:
+                ckpt.save_lora(folder, self.model, self.lora, weights)
+            else:
+                save = getattr(self.model, "save_pretrained", None)
+                if save is None:
+                    raise TypeError("DeepSpeedBackend checkpoints need a Hugging Face model")
+                save(str(folder), state_dict=weights)
             ckpt.write_meta(
                 folder,
                 {
@@ -307,6 +337,7 @@ class DeepSpeedBackend(SafeStepBackend):
                     "version": self._version,
                     "skipped_steps": self.skipped_steps,
                     "python_random": ckpt.python_random_state(),
+                    **ckpt.lora_meta(self.lora),
                 },
             )
         self._barrier()  # every rank's part is written before rank 0 renames the folder
@@ -321,6 +352,7 @@ class DeepSpeedBackend(SafeStepBackend):
         """
         path = Path(directory)
         meta = ckpt.read_meta(path)
+        ckpt.check_lora_matches(meta, self.lora, path)
         same = (
             meta.get("backend") == "deepspeed"
             and meta.get("zero_stage") == self.stage
@@ -333,6 +365,8 @@ class DeepSpeedBackend(SafeStepBackend):
                 tag=DS_TAG,
                 load_optimizer_states=True,
                 load_lr_scheduler_states=False,
+                # A LoRA checkpoint left the frozen base out: it stays the model folder's.
+                load_module_strict=self.lora is None,
             )
             if loaded is None:
                 raise FileNotFoundError(f"no DeepSpeed checkpoint under {path / DS_TAG}")
@@ -354,8 +388,11 @@ class DeepSpeedBackend(SafeStepBackend):
                     meta.get("world_size", 1),
                 )
             weights: dict[str, torch.Tensor] = {}
-            for file in sorted(path.glob("*.safetensors")):
-                weights.update(load_file(str(file)))
+            if self.lora is not None:
+                weights = ckpt.read_lora(path)
+            else:
+                for file in sorted(path.glob("*.safetensors")):
+                    weights.update(load_file(str(file)))
             self.adopt(int(meta["version"]), weights)
             if self.rank == 0:
                 ckpt.set_python_random_state(meta["python_random"])

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from relax.config import AlgorithmConfig, TrainerConfig
+from relax.config import AlgorithmConfig, LoraConfig, TrainerConfig
 from relax.errors import ConfigError, ConfigIssue
+from relax.models import apply_lora, lora_config
 from relax.training._base import TrainingBackend
 from relax.training._torch import TorchBackend
 
@@ -19,12 +20,17 @@ def make_backend(
     *,
     rank: int | None = None,
     world_size: int | None = None,
+    lora: LoraConfig | None = None,
 ) -> TrainingBackend:
     """A :class:`TorchBackend` or a :class:`DeepSpeedBackend` training ``model``.
 
     ``rank``/``world_size`` place a DeepSpeed backend in its data-parallel world (a trainer
     gang); the torch backend trains on one rank only. DeepSpeed is imported only when chosen.
+    ``lora`` (``[model.lora]``): inject adapters into ``model`` first, so that only they train
+    (a model that already has them is trained as it is).
     """
+    if lora is not None and lora_config(model) is None:
+        model = apply_lora(model, lora)
     if trainer_cfg.backend == "deepspeed":
         from relax.training._deepspeed import DeepSpeedBackend
 

@@ -19,13 +19,15 @@ from relax.training._objective import (
     aggregation,
     check_supported,
     compute_advantages,
+    correct_batch,
+    correction_spec,
     loss_denominator,
     micro_batch_loss,
 )
 
 log = logging.getLogger("relax.training")
 
-MAX_METRICS = frozenset({"ratio_max", "mismatch_max"})
+MAX_METRICS = frozenset({"ratio_max", "mismatch_max", "is_weight_max"})
 """Metrics that are maxima over micro-batches (and ranks) rather than weighted means."""
 
 
@@ -174,10 +176,18 @@ class SafeStepBackend(TrainingBackend):
         advantages, adv_metrics = compute_advantages(batch, cfg)
         metrics.update({k: v.item() for k, v in adv_metrics.items()})
         agg = aggregation(cfg)
-        total = loss_denominator(batch.mask, agg)
         metrics["tokens"] = float(batch.num_tokens)
-        if total.item() == 0:
+        if batch.num_tokens == 0:
             return metrics, "no response tokens count in the loss"
+        weights = None
+        if correction_spec(cfg).needs_whole_batch:
+            # Dropped tokens leave the denominators, and a batch mean of the weights needs
+            # every row: both are settled here, once, before any micro-batch's loss.
+            batch, weights, fixed = correct_batch(batch, self._score(batch), cfg)
+            metrics.update({k: v.item() for k, v in fixed.items()})
+            if batch.num_tokens == 0:
+                return metrics, "the rollout correction rejected every token"
+        total = loss_denominator(batch.mask, agg)
 
         sums: dict[str, float] = {}
         problem: str | None = None
@@ -193,7 +203,8 @@ class SafeStepBackend(TrainingBackend):
             weight = loss_denominator(mb.mask, agg) / total
             if stand_in:
                 weight = torch.zeros_like(weight)
-            if weight.item() == 0 and not self.runs_every_micro_batch:
+            idle = weight.item() == 0 or mb.num_tokens == 0
+            if idle and not self.runs_every_micro_batch:
                 continue  # nothing counted here: its loss and gradient are exactly zero
             logprobs, entropy = forward_logprobs(
                 self._forward_module(),
@@ -205,7 +216,10 @@ class SafeStepBackend(TrainingBackend):
             mb_adv = advantages[start : start + mb.size]
             if mb_adv.dim() == 2:
                 mb_adv = mb_adv[:, : mb.mask.shape[1]]
-            loss, _, mb_metrics = micro_batch_loss(logprobs, entropy, mb, mb_adv, cfg)
+            mb_weights = None
+            if weights is not None:
+                mb_weights = weights[start : start + mb.size, : mb.mask.shape[1]]
+            loss, _, mb_metrics = micro_batch_loss(logprobs, entropy, mb, mb_adv, cfg, mb_weights)
             if not stand_in:
                 mb_metrics["loss"] = loss.detach()
                 w = weight.item()
@@ -225,6 +239,19 @@ class SafeStepBackend(TrainingBackend):
         sums, problem = self._combine(sums, problem)
         metrics.update(sums)
         return metrics, problem
+
+    def _score(self, batch: Batch) -> torch.Tensor:
+        """The current weights' log-probs ``[batch, seq - 1]`` of every row, without gradient,
+        in micro-batches. Every rank scores every row, so data-parallel ranks run the same
+        forward passes (ZeRO-3 gathers parameters in lockstep) and agree on the result."""
+        out = torch.zeros_like(batch.rollout_logprobs)
+        micro = self.trainer_config.micro_batch_size
+        with torch.no_grad():
+            for start in range(0, batch.size, micro):
+                mb = batch.select(start, min(start + micro, batch.size))
+                logprobs, _ = forward_logprobs(self._forward_module(), mb, self.temperature)
+                out[start : start + mb.size, : logprobs.shape[1]] = logprobs
+        return out
 
     def step(self, rows: Sequence[Row]) -> StepResult:
         """One optimiser step on ``rows``; see the class docstring for when it is skipped."""

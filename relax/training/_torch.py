@@ -1,4 +1,4 @@
-"""The plain-PyTorch training backend."""
+"""The plain-PyTorch training backend (full weights, or LoRA adapters on a frozen base)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from relax.config import AlgorithmConfig, TrainerConfig
+from relax.models import adapter_state_dict, load_adapter_state, lora_config
 from relax.training import _checkpoint as ckpt
 from relax.training._safe_step import SafeStepBackend
 
@@ -19,6 +20,10 @@ class TorchBackend(SafeStepBackend):
     The step is :class:`SafeStepBackend`'s: micro-batches of ``trainer.micro_batch_size`` rows
     accumulate into ``.grad``, the gradient is clipped to ``trainer.grad_clip`` and AdamW
     steps, unless the step is skipped (weights and optimiser state then stay bit-identical).
+
+    A model with LoRA adapters (``relax.models.apply_lora``) trains only them: the optimiser
+    holds the adapter parameters alone, ``state_dict_for_publish`` is the adapter tensors and
+    a checkpoint holds the adapter (peft's layout), not the frozen base.
     """
 
     def __init__(
@@ -34,7 +39,12 @@ class TorchBackend(SafeStepBackend):
         super().__init__(trainer_config, algorithm_config, pad_id=pad_id, temperature=temperature)
         self.model = model.to(_DTYPES[trainer_config.dtype])
         self.model.train()
+        self.lora = lora_config(model)
         self._params = [p for p in model.parameters() if p.requires_grad]
+        if self.lora is not None:
+            # The optimiser holds exactly the adapters: a base weight left trainable would be
+            # trained here and never published.
+            ckpt.check_only_adapters_train(model, self._params)
         self.optimizer = torch.optim.AdamW(
             self._params,
             lr=trainer_config.lr,
@@ -81,7 +91,10 @@ class TorchBackend(SafeStepBackend):
     # ------------------------------------------------------------------ weights and checkpoints
 
     def state_dict_for_publish(self) -> dict[str, torch.Tensor]:
-        """A detached, contiguous CPU copy of every weight (tied ones under each name)."""
+        """A detached, contiguous CPU copy of every weight (tied ones under each name); with
+        LoRA, of the adapter tensors only (adapter names: see ``relax.models``)."""
+        if self.lora is not None:
+            return adapter_state_dict(self.model)
         return {
             name: t.detach().to("cpu", copy=True).contiguous()
             for name, t in self.model.state_dict().items()
@@ -90,6 +103,11 @@ class TorchBackend(SafeStepBackend):
     def adopt(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         """Continue from published weights ``version`` (a trainer restarted without a
         checkpoint of that version). The optimiser state starts afresh: it was not published."""
+        if self.lora is not None:
+            load_adapter_state(self.model, state_dict)  # checks everything before copying
+            self.optimizer.state.clear()
+            self._version = version
+            return
         expected = set(self.model.state_dict())
         unexpected = sorted(set(state_dict) - expected)
         missing = sorted(expected - set(state_dict) - _tied_names(self.model))
@@ -106,14 +124,19 @@ class TorchBackend(SafeStepBackend):
         """Save to ``directory`` (written to a temp dir, then renamed into place).
 
         Holds ``model.safetensors`` and ``config.json`` in Hugging Face layout (loadable with
-        ``from_pretrained``), the optimiser and RNG states, and the version.
+        ``from_pretrained``), the optimiser and RNG states, and the version. With LoRA it holds
+        the adapter instead of the weights (``adapter_model.safetensors`` and
+        ``adapter_config.json``, peft's layout), naming the base model folder.
         """
 
         def write(tmp: Path) -> None:
-            save = getattr(self.model, "save_pretrained", None)
-            if save is None:
-                raise TypeError("TorchBackend checkpoints need a Hugging Face model")
-            save(str(tmp))
+            if self.lora is not None:
+                ckpt.save_lora(tmp, self.model, self.lora, adapter_state_dict(self.model))
+            else:
+                save = getattr(self.model, "save_pretrained", None)
+                if save is None:
+                    raise TypeError("TorchBackend checkpoints need a Hugging Face model")
+                save(str(tmp))
             torch.save(
                 {"optimizer": self.optimizer.state_dict(), "rng": ckpt.rng_state()},
                 tmp / ckpt.STATE_FILE,
@@ -125,6 +148,7 @@ class TorchBackend(SafeStepBackend):
                     "version": self._version,
                     "skipped_steps": self.skipped_steps,
                     "python_random": ckpt.python_random_state(),
+                    **ckpt.lora_meta(self.lora),
                 },
             )
 
@@ -134,8 +158,12 @@ class TorchBackend(SafeStepBackend):
         """Restore weights, optimiser, RNG states and version from ``directory``."""
         path = Path(directory)
         meta = ckpt.read_meta(path)
+        ckpt.check_lora_matches(meta, self.lora, path)
         state = torch.load(path / ckpt.STATE_FILE, map_location="cpu", weights_only=True)
-        ckpt.load_model_weights(self.model, path)
+        if self.lora is not None:
+            load_adapter_state(self.model, ckpt.read_lora(path))
+        else:
+            ckpt.load_model_weights(self.model, path)
         self.optimizer.load_state_dict(state["optimizer"])
         ckpt.set_rng_state(state["rng"])
         ckpt.set_python_random_state(meta["python_random"])

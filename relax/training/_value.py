@@ -161,8 +161,11 @@ def critic_token_rewards(batch: Batch, cfg: AlgorithmConfig) -> torch.Tensor:
     if cfg.kl.coef > 0 and cfg.kl.mode == "reward":
         if batch.ref_logprobs is None:
             raise ValueError("kl.mode = 'reward' needs rows with a 'ref_logprobs' column")
-        kl = kl_divergence(batch.rollout_logprobs, batch.ref_logprobs, cfg.kl.estimator)
-        rewards = rewards - cfg.kl.coef * kl * batch.mask
+        kl = kl_divergence(
+            batch.rollout_logprobs, batch.ref_logprobs, cfg.kl.estimator, cfg.kl.clamp
+        )
+        # Exactly the trainer's penalty (relax.training._objective._reward_kl).
+        rewards = rewards - cfg.kl.coef * torch.where(batch.mask > 0, kl, torch.zeros_like(kl))
     return rewards
 
 

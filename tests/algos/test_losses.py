@@ -16,6 +16,7 @@ from relax.algos import (
     masked_mean,
     ppo_loss,
 )
+from tests.algos.reference import aggregate, counted, per_row, ppo_token, ragged
 
 LN = math.log
 
@@ -216,3 +217,81 @@ def test_entropy_bonus() -> None:
     loss.backward()
     assert torch.isfinite(logits.grad).all()
     assert torch.equal(logits.grad[0, 1], torch.zeros(4))
+
+
+# --------------------------------------------------------------------------- python references
+
+
+@pytest.mark.parametrize(
+    "agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+)
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_ppo_loss_matches_python_on_junk_padded_rows(agg: str, dual_clip: float | None) -> None:
+    r = ragged(20, spread=0.8)  # ratios up to e^0.8: some clipped, some dual-clipped
+    norm = 7.0 if agg == "seq-mean-token-sum-norm" else None
+    logp = r.t("rollout").requires_grad_()  # "rollout" plays the new policy here
+    loss, m = ppo_loss(
+        logp, r.t("train"), r.t("adv"), r.mask_t, 0.2, 0.28, dual_clip, agg, norm_length=norm
+    )  # type: ignore[arg-type]
+    v = r.values
+    per_token = per_row(
+        r,
+        lambda i, t: ppo_token(
+            v["rollout"][i][t], v["train"][i][t], v["adv"][i][t], 0.2, 0.28, dual_clip
+        ),
+    )
+    assert loss.item() == pytest.approx(aggregate(per_token, r.mask, agg, norm), rel=1e-9)
+    # ppo_kl (veRL): mean over counted tokens of old - new; approx_kl: mean of k3
+    gaps = [
+        o - n
+        for i in range(len(r.mask))
+        for o, n in zip(counted(r, "train", i), counted(r, "rollout", i), strict=True)
+    ]
+    assert m["ppo_kl"].item() == pytest.approx(sum(gaps) / len(gaps), rel=1e-9)
+    k3 = [math.exp(-g) - 1 + g for g in gaps]
+    assert m["approx_kl"].item() == pytest.approx(sum(k3) / len(k3), rel=1e-9)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all() and (logp.grad[r.mask_t == 0] == 0).all()
+
+
+def test_ppo_kl_is_k1_of_old_minus_new() -> None:
+    old = _row(LN(0.5), LN(0.25), 0.0)
+    logp = _row(LN(0.25), LN(0.5), 5.0)
+    # old - new: ln 2 and -ln 2 -> mean 0 (k1 can cancel); k3 does not: both terms positive
+    _, m = ppo_loss(logp, old, torch.ones(1, 3), _row(1.0, 1.0, 0.0))
+    assert m["ppo_kl"].item() == pytest.approx(0.0, abs=1e-7)
+    assert m["approx_kl"].item() == pytest.approx(((0.5 - 1 + LN(2)) + (2 - 1 - LN(2))) / 2)
+
+
+def test_gspo_reports_token_and_sequence_clip_fractions() -> None:
+    old = torch.zeros(3, 3)
+    # seq 0: 3 tokens, mean log-ratio 0.3 -> clipped; seq 1: 1 token at 0 -> not clipped;
+    # seq 2: 2 tokens, mean log-ratio -0.3, A < 0 -> clipped (the low side)
+    logp = torch.tensor([[0.3, 0.3, 0.3], [0.0, 9.0, 9.0], [-0.3, -0.3, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    _, m = gspo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    assert m["clip_frac_seq"].item() == pytest.approx(2 / 3)  # 2 of 3 sequences
+    assert m["clip_frac"].item() == m["clip_frac_seq"].item()
+    assert m["clip_frac_token"].item() == pytest.approx(5 / 6)  # 3 + 2 of 6 tokens
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])
+def test_cispo_and_entropy_take_every_aggregation(agg: str) -> None:
+    r = ragged(21)
+    norm = 4.0 if agg == "seq-mean-token-sum-norm" else None
+    loss, _ = cispo_loss(
+        r.t("rollout"), r.t("train"), r.t("adv"), r.mask_t, agg=agg, norm_length=norm
+    )  # type: ignore[arg-type]
+    v = r.values
+
+    def token(i: int, t: int) -> float:
+        w = min(math.exp(v["rollout"][i][t] - v["train"][i][t]), 1.28)
+        return -w * v["adv"][i][t] * v["rollout"][i][t]
+
+    assert loss.item() == pytest.approx(aggregate(per_row(r, token), r.mask, agg, norm), rel=1e-9)
+    logits = torch.zeros(len(r.mask), len(r.mask[0]), 4, dtype=torch.float64)
+    bonus, m = entropy_bonus(logits, r.mask_t, 0.1, agg, norm)  # type: ignore[arg-type]
+    expected = aggregate(per_row(r, lambda i, t: LN(4)), r.mask, agg, norm)
+    assert m["entropy"].item() == pytest.approx(expected)
+    assert bonus.item() == pytest.approx(-0.1 * expected)

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relax.algos import aggregate_loss, masked_mean, masked_sum, masked_var, masked_whiten
+from relax.algos import (
+    AGGREGATION_ALIASES,
+    aggregate_loss,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
+from tests.algos.reference import aggregate, ragged
 
 X = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
@@ -48,3 +56,49 @@ def test_aggregate_loss_modes() -> None:
     assert aggregate_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx(3.5)
     with pytest.raises(ValueError):
         aggregate_loss(loss, mask, "nope")  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- veRL's four modes
+
+MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+
+@pytest.mark.parametrize("mode", [*MODES, "token", "sequence"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_aggregation_matches_a_python_loop_on_junk_padded_rows(mode: str, seed: int) -> None:
+    r = ragged(seed)
+    norm = 5.0 if mode == "seq-mean-token-sum-norm" else None
+    got = aggregate_loss(r.t("loss"), r.mask_t, mode, norm)  # type: ignore[arg-type]
+    assert got.item() == pytest.approx(aggregate(r.values["loss"], r.mask, mode, norm), rel=1e-12)
+
+
+def test_first_names_are_the_same_reductions() -> None:
+    r = ragged(3)
+    for alias, name in AGGREGATION_ALIASES.items():
+        a = aggregate_loss(r.t("loss"), r.mask_t, alias)  # type: ignore[arg-type]
+        assert torch.equal(a, aggregate_loss(r.t("loss"), r.mask_t, name))  # type: ignore[arg-type]
+
+
+def test_norm_mode_weighs_every_token_the_same_whatever_the_mask() -> None:
+    # Dr. GRPO: d loss / d l_it = 1 / (rows * L) on every counted token, whatever the lengths
+    # and however many tokens are masked (a count-based divisor would change it).
+    r = ragged(4)
+    for mask in (r.mask_t, r.mask_t * torch.tensor([0.0, 1, 1, 1, 0, 1, 1])):
+        loss = r.t("loss").requires_grad_()
+        aggregate_loss(loss, mask, "seq-mean-token-sum-norm", norm_length=8.0).backward()
+        expected = mask * (1 / (len(r.mask) * 8.0))
+        torch.testing.assert_close(loss.grad, expected)
+
+
+def test_norm_mode_needs_a_positive_length() -> None:
+    r = ragged(5)
+    for bad in (None, 0.0):
+        with pytest.raises(ValueError, match="norm_length"):
+            aggregate_loss(r.t("loss"), r.mask_t, "seq-mean-token-sum-norm", bad)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_of_an_empty_mask_is_zero(mode: str) -> None:
+    r = ragged(6)
+    got = aggregate_loss(r.t("loss"), torch.zeros_like(r.mask_t), mode, 4.0)  # type: ignore[arg-type]
+    assert got.item() == 0.0

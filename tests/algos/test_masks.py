@@ -15,6 +15,10 @@ ADV = torch.randn(3, generator=GEN)
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 1, 1, 1]])
 GROUPS = torch.tensor([0, 0, 1])
 
+_EVERY_RULE = algos.RolloutCorrection(
+    "geometric", is_high=1.2, is_batch_normalize=True, reject_token_high=1.1, reject_seq_k3=0.01
+)
+
 CALLS = {
     "whiten": lambda m: algos.masked_whiten(VALUES, m),
     "ppo": lambda m: algos.ppo_loss(LOGP, OLD, ADV, m, agg="sequence")[0],
@@ -25,6 +29,9 @@ CALLS = {
     "kl": lambda m: algos.kl_loss(LOGP, OLD, m)[0],
     "tis": lambda m: algos.tis_weights(LOGP, OLD, m),
     "decoupled": lambda m: algos.decoupled_ppo_loss(LOGP, OLD, OLD + 0.1, ADV, m)[0],
+    "norm_aggregation": lambda m: algos.aggregate_loss(VALUES, m, "seq-mean-token-sum-norm", 3.0),
+    "correction": lambda m: algos.rollout_correction(LOGP, OLD, m, _EVERY_RULE).weights,
+    "correction_mask": lambda m: algos.rollout_correction(LOGP, OLD, m, _EVERY_RULE).mask.float(),
 }
 
 

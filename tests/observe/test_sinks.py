@@ -240,3 +240,35 @@ def test_wandb_init_failure_turns_into_warnings(tmp_path: Path, fake_wandb) -> N
         fanout.close()
     assert [e["failures"] for e in logs] == [1, 2]
     assert all("no network" in e["error"] for e in logs)
+
+
+def test_wandb_sink_forwards_the_evaluator_s_records_into_the_trainer_s_run(
+    tmp_path: Path, fake_wandb
+) -> None:
+    """The evaluator writes eval.jsonl from its own process; the trainer's W&B run carries its
+    records, each once, at the step the trainer was at, the final one at close."""
+    evals = tmp_path / "eval.jsonl"
+
+    def evaluated(version: int, reward: float, *, newline: bool = True) -> None:
+        line = json.dumps({"step": version, "version": version, "eval/mean_reward": reward})
+        with evals.open("a") as f:
+            f.write(line + ("\n" if newline else ""))
+
+    sink = WandbSink(project="p", run_dir=tmp_path)
+    sink.write(RECORDS[0])  # no eval.jsonl yet
+    evaluated(0, 0.1)
+    evaluated(1, 0.5, newline=False)  # being written: waits for the next look
+    sink.write(RECORDS[1])
+    with evals.open("a") as f:
+        f.write("\n")
+    sink.write(RECORDS[2])
+    evaluated(3, 0.9)  # the final evaluation, written as the run stops
+    sink.close()
+    (run,) = fake_wandb.runs
+    forwarded = [
+        (d["eval/version"], d["eval/mean_reward"], step)
+        for d, step in run.logged
+        if "eval/version" in d
+    ]
+    assert forwarded == [(0.0, 0.1, 2), (1.0, 0.5, 3), (3.0, 0.9, 3)]
+    assert all("time" not in d for d, _ in run.logged)
