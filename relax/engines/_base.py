@@ -278,6 +278,21 @@ def check_prompt(
     return ids
 
 
+def refuse_adapter_tensors(items: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """An engine serving full weights refuses an update of LoRA adapter tensors (named by
+    ``relax.models.is_adapter_name``) before it changes anything: the trainer and the engine
+    were given different ``[model.lora]``."""
+    from relax.models import is_adapter_name
+
+    adapters = [name for name, _ in items if is_adapter_name(name)]
+    if adapters:
+        raise EngineError(
+            f"weight update refused: {len(adapters)} of {len(items)} tensors are LoRA adapter"
+            f" tensors (e.g. {adapters[0]!r}), but this engine serves full weights; serve"
+            " with the same [model.lora] as the trainer"
+        )
+
+
 def with_rates(stats: dict[str, float | int], version: int) -> dict[str, float | int]:
     """An engine's counters plus the version served and the generation rate."""
     out = dict(stats)

@@ -70,6 +70,7 @@ from relax.engines._base import (
     SamplingParams,
     StateDict,
     TokenEvent,
+    refuse_adapter_tensors,
     with_rates,
 )
 from relax.models import (
@@ -78,7 +79,6 @@ from relax.models import (
     adapter_problems,
     apply_lora,
     collate_mm_inputs,
-    is_adapter_name,
     load_policy,
     lora_config,
     pad_token_id,
@@ -548,13 +548,7 @@ class HFEngine(GenerationEngine):
                 own[name].copy_(tensor)
 
     def _copy_weights(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        adapters = [name for name, _ in items if is_adapter_name(name)]
-        if adapters:
-            raise EngineError(
-                f"weight update refused: {len(adapters)} of {len(items)} tensors are LoRA adapter"
-                f" tensors (e.g. {adapters[0]!r}), but this engine serves full weights; serve"
-                " with the same [model.lora] as the trainer"
-            )
+        refuse_adapter_tensors(items)
         current = self.model.state_dict()
         problems = []
         seen: set[str] = set()

@@ -70,11 +70,12 @@ from relax.engines._base import (
     OnToken,
     SamplingParams,
     StateDict,
+    refuse_adapter_tensors,
     with_rates,
 )
 from relax.engines._vllm_lora import VllmAdapters, check_served, max_lora_rank
 from relax.errors import ConfigError, ConfigIssue
-from relax.models import is_adapter_name, load_tokenizer
+from relax.models import load_tokenizer
 
 _ENV_DEFAULTS = {
     # vLLM's internal sockets otherwise bind a non-loopback address.
@@ -476,13 +477,7 @@ class VLLMEngine(GenerationEngine):
                 self.adapters.load(llm, version, items)
                 self._loaded(version, started)
                 return
-            adapters = [name for name, _ in items if is_adapter_name(name)]
-            if adapters:
-                raise EngineError(
-                    f"weight update refused: {len(adapters)} of {len(items)} tensors are LoRA"
-                    f" adapter tensors (e.g. {adapters[0]!r}), but this engine serves full"
-                    " weights; serve with the same [model.lora] as the trainer"
-                )
+            refuse_adapter_tensors(items)
             # Checked before vLLM sees anything, so a bad update leaves the old weights whole.
             self._check_weights(items)
             weights = [(name, tensor.detach()) for name, tensor in items]
