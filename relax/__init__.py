@@ -23,9 +23,20 @@ imports this package first) does not import torch.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 __version__ = "0.1.0"
+
+# DeepSpeed is imported by transformers whenever accelerate (a dependency of peft) is installed
+# beside it, and when it then auto-detects no accelerator it prints a warning to stdout — a line
+# in every program that loads a model (an embedding application's own output included). On a
+# machine with no NVIDIA driver, name its own answer there, the CPU, up front: no line. A
+# setting of the user's own wins; machines with a driver keep DeepSpeed's auto-detection.
+if "DS_ACCELERATOR" not in os.environ and not any(
+    os.path.exists(path) for path in ("/proc/driver/nvidia", "/dev/nvidia0")
+):
+    os.environ["DS_ACCELERATOR"] = "cpu"
 
 _FRONT_DOOR: dict[str, tuple[str, str | None]] = {
     "ClusterConfig": ("relax.config", "ClusterConfig"),
