@@ -211,7 +211,9 @@ async def test_a_ray_child_s_log_lines_reach_the_run_s_log_folder(cluster, tmp_p
     """A Ray node need not share the head's file system: the child logs into a folder on its
     node, and its lines are relayed to the run's folder — its last ones after it died too."""
     logs = (tmp_path / "logs").resolve()
-    placement = Ray(num_cpus=0.1, resources={"node-b": 0.1})
+    # No CPU of node-b's one: the gang tests after it need all of it, and a launcher may
+    # outlive its child by a moment.
+    placement = Ray(num_cpus=0, resources={"node-b": 0.01})
     with log_files(logs):
         async with Supervisor([ChildSpec("talker", Echo, placement=placement)]) as sup:
             ref = sup.ref("talker")
