@@ -19,10 +19,13 @@ def loopback_cluster(head_cpus: float, **nodes: dict[str, Any]) -> Iterator[Any]
     import ray
     from ray.cluster_utils import Cluster
 
-    from relax.actors._ray import ray_process_env
+    from relax.actors._ray import WORKER_NICENESS_ENV, ray_process_env
 
-    # Every raylet on loopback (else Ray's control store binds eth0), no token auth.
-    with ray_process_env({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}):
+    # Every raylet on loopback (else Ray's control store binds eth0), no token auth, and
+    # workers at the nice value `relax up` gives a local instance (Ray's 15 starved the
+    # launchers beside CI's other test worker: a gang's start ran past two minutes).
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    with ray_process_env({**env, WORKER_NICENESS_ENV: "0"}):
         cluster = Cluster(
             initialize_head=True,
             connect=True,

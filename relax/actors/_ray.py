@@ -501,6 +501,7 @@ def ray_session(
     if address == "local":
         # Without this, Ray's control store binds the machine's public address.
         env = {_LOOPBACK_ENV: os.environ.get(_LOOPBACK_ENV, "0")}
+        env[WORKER_NICENESS_ENV] = os.environ.get(WORKER_NICENESS_ENV, "0")
         options = {
             "_node_ip_address": "127.0.0.1",
             "num_cpus": num_cpus,
@@ -559,8 +560,15 @@ def _reload_ray_config() -> None:
 
 _AUTH_ENV = "RAY_AUTH_MODE"
 """Ray's token authentication switch (``token`` or ``disabled``)."""
+WORKER_NICENESS_ENV = "RAY_worker_niceness"
+"""The nice value a raylet starts its workers at; Ray's default is 15, so that the raylet stays
+responsive. A launcher is such a worker, and beside busy processes at nice 0 one at nice 15
+gets a few percent of a core: measured beside four busy processes, a two-member gang's start
+did not finish within 120 s at 15 and took 31 s at 0 (CI's failure). The Ray instances Relax
+starts itself use 0 unless the environment says otherwise; a cluster's own `ray start` should
+set it too (docs/cluster.md)."""
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 """Set to 0, Ray puts every node of a local instance on 127.0.0.1 (Ray 2.60 on Linux)."""
 
 
-__all__ = ["RAY_INSTALL_HINT", "Ray", "RayMember", "ray_session"]
+__all__ = ["RAY_INSTALL_HINT", "WORKER_NICENESS_ENV", "Ray", "RayMember", "ray_session"]

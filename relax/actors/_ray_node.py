@@ -91,6 +91,7 @@ class _Launcher:
         self._folder: str | None = None
         self._logs: str | None = None
         self._relay: asyncio.Task[None] | None = None
+        _node_priority(os.getpid())  # relaying and watching run at the node's priority too
         remove_orphans()  # folders of launchers Ray killed outright on this node
 
     def where(self) -> dict[str, Any]:

@@ -14,27 +14,32 @@ import os
 import pytest
 
 from relax.actors import RAY_INSTALL_HINT, ray_session
+from relax.actors._ray import WORKER_NICENESS_ENV
 from tests.optional import require
 from tests.ray_nodes import loopback_cluster
 
 pytestmark = pytest.mark.slow
 
-_WATCHED = ("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+_WATCHED = ("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", WORKER_NICENESS_ENV)
 
 
 def _node_of_a_new_actor(**options: object) -> str:
+    """The node a new actor runs on; its worker must run at nice 0, not Ray's 15 (a Ray
+    worker at 15 beside busy processes starved: a gang's start ran past two minutes)."""
     import ray
 
     @ray.remote
     class Where:
-        def node(self) -> str:
-            return ray.get_runtime_context().get_node_id()
+        def node(self) -> tuple[str, int]:
+            return ray.get_runtime_context().get_node_id(), os.getpriority(os.PRIO_PROCESS, 0)
 
     actor = Where.options(num_cpus=0.1, **options).remote()
     try:
-        return ray.get(actor.node.remote(), timeout=60)
+        node, nice = ray.get(actor.node.remote(), timeout=60)
     finally:
         ray.kill(actor)
+    assert nice == os.getpriority(os.PRIO_PROCESS, 0), "a Ray worker at another nice value"
+    return node
 
 
 def test_a_cluster_after_a_local_session_in_the_same_process_runs_actors() -> None:
