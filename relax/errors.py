@@ -22,6 +22,7 @@ One root, a shallow tree, and names that say what the caller does next:
 - ``RunFinished``        the run behind an agent endpoint has ended: stop calling it.
 - ``TransportError``     bytes could not be moved or decoded; ``PeerGone`` (reconnect),
                          ``AuthFailed`` (fix the shared secret), ``MessageTooLarge`` (split it),
+                         ``WeightsCorrupt`` (weights failed their checksum: fetch them again),
                          ``BadFrame`` (the peer does not speak our protocol), ``Closed`` (our own
                          endpoint was closed: we are shutting down).
 - ``BusError``           the TransferQueue refused an operation; ``VersionGone`` (poll for the
@@ -334,6 +335,11 @@ class PeerGone(TransportError):
     """The other end disappeared; reconnect and resend what was not acknowledged."""
 
 
+class WeightsCorrupt(TransportError):
+    """Weight bytes arrived but do not match the sender's checksum: the version is not
+    applied; fetch it again (the bus holds every committed version's bytes)."""
+
+
 class AuthFailed(TransportError):
     """The peer did not prove it holds the cluster's shared secret; check the secret."""
 
@@ -587,6 +593,7 @@ __all__ = [
     "UnknownTask",
     "UploadLost",
     "VersionGone",
+    "WeightsCorrupt",
     "error_from_dict",
     "error_to_dict",
 ]

@@ -5,6 +5,8 @@ admission and a versioned weights channel.
   persisted to a checksummed segment log so a SIGKILLed bus comes back with everything.
 - ``BusClient``: what roles and user code use from any process: ``admit``, ``put``,
   ``add_columns``, ``take`` (a lease; ack on success), ``publish_weights``, ``poll_weights``.
+- ``WeightPublisher`` / ``WeightSubscriber``: the weight plane (``[weights] transport =
+  "group"``): versions over a tensor group, checksummed, switched on the bus's commit.
 - ``BusTable``: the pure state machine underneath (rows, leases, acks, admission).
 - ``SegmentLog``: the crash-safe append-only log.
 - ``SCHEMA``: the declared types of the columns roles exchange (``Column``); rows that break
@@ -15,6 +17,7 @@ admission and a versioned weights channel.
 from relax.bus._client import Batch, BusClient
 from relax.bus._columns import SCHEMA, Column, column_problem
 from relax.bus._log import LogCorrupt, SegmentLog
+from relax.bus._plane import PlaneOptions, WeightPublisher, WeightSubscriber, plane_options
 from relax.bus._service import BusService
 from relax.bus._table import BusTable, ColumnConflict, UnknownTask
 from relax.bus._weights import VersionGone, WeightStore
@@ -31,9 +34,13 @@ __all__ = [
     "Column",
     "ColumnConflict",
     "LogCorrupt",
+    "PlaneOptions",
     "SegmentLog",
     "UnknownTask",
     "VersionGone",
+    "WeightPublisher",
     "WeightStore",
+    "WeightSubscriber",
     "column_problem",
+    "plane_options",
 ]

@@ -87,6 +87,9 @@ class BusService(Actor):
         self.compact_every = compact_every  # records between compactions: keeps the log short
         self.since_compact = self.bytes_since_compact = 0
         self.stats = {"requests": 0, "recovered_records": 0}  # bytes moved: see "transport"
+        # The weight plane's receivers, by the last time each polled (not logged: they poll
+        # again within their lease after a bus restart).
+        self.weight_members: dict[str, float] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -318,8 +321,17 @@ class BusService(Actor):
                 f"weight version {version} is not newer than the current "
                 f"{self.table.weights_version}"
             )
-        self.weights.begin(version, req["meta"])
-        return {"already": False}
+        self.weights.begin(version, req["meta"], req.get("publish"))
+        began: dict[str, Any] = {"already": False}
+        if req["meta"].get("store") == "file":
+            staged = self.weights.staged_path(version)
+            if staged is not None:  # the publisher checks the folder to know it shares it
+                staged.parent.mkdir(parents=True, exist_ok=True)
+            began["file"] = None if staged is None else str(staged.resolve())
+        if req["meta"].get("via") == "group":
+            async with self.changed:  # its receivers join the transfer before the commit
+                self.changed.notify_all()
+        return began
 
     async def _op_w_put(self, req: dict[str, Any], peer: Peer) -> None:
         version, pending = int(req["version"]), self.weights.open.get(int(req["version"]))
@@ -337,7 +349,7 @@ class BusService(Actor):
         publish = str(req.get("publish") or f"anonymous-{version}")
         if self._already_committed(version, req.get("publish")):
             return {"already": True}
-        entry = self.weights.seal(version)
+        entry = self.weights.seal(version, str(req.get("stored", "put")))
         try:
             # Writing the file happens on a thread; nothing serves it until it is promoted.
             await asyncio.to_thread(self.weights.stage, version, entry)
@@ -369,9 +381,38 @@ class BusService(Actor):
         return publish is not None and self.table.publishes.get(version) == publish
 
     async def _op_w_poll(self, req: dict[str, Any], peer: Peer) -> dict[str, Any] | None:
+        """The newest committed version above ``after``; with ``pending_after``, also a
+        version above it being published over the weight plane's group (``committed:
+        False``) unless it is the publish ``pending_skip``. ``member`` names a receiver of
+        the plane: polling keeps it a member (``w_members``)."""
         after = int(req.get("after", -1))
-        found = await self._wait_for(lambda: self.weights.latest_after(after), req.get("wait"))
-        return found
+        member = req.get("member")
+        pending = req.get("pending_after")
+
+        def found() -> dict[str, Any] | None:
+            latest = self.weights.latest_after(after)
+            if latest is not None:
+                publish = self.table.publishes.get(latest["version"])
+                return {**latest, "committed": True, "publish": publish}
+            if pending is None:
+                return None
+            return self.weights.pending_after(int(pending), req.get("pending_skip"))
+
+        if member is not None:
+            self.weight_members[str(member)] = time.monotonic()
+        try:
+            return await self._wait_for(found, req.get("wait"))
+        finally:
+            if member is not None:
+                self.weight_members[str(member)] = time.monotonic()
+
+    async def _op_w_members(self, req: dict[str, Any], peer: Peer) -> list[str]:
+        """The weight plane's receivers that polled within ``lease`` seconds, sorted."""
+        horizon = time.monotonic() - float(req.get("lease", 10.0))
+        for member, seen in list(self.weight_members.items()):
+            if seen < horizon:
+                del self.weight_members[member]
+        return sorted(self.weight_members)
 
     async def _op_w_get(self, req: dict[str, Any], peer: Peer) -> dict[str, Any]:
         return self.weights.get_bucket(int(req["version"]), int(req["index"]))

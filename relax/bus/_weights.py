@@ -13,6 +13,14 @@ the ack of the rows it was trained on), then ``promote`` renames the file to its
 and makes the version visible. ``recover`` is given the newest version the log committed: a
 staged file the log knows is promoted, one it does not know is deleted, and so is a final file
 above it — a restarted bus never serves weights whose commit (and ack) it did not log.
+
+A version whose bytes travel over the weight plane's tensor group (``meta["via"] ==
+"group"``, ``_plane``) still has its bytes here, for late joiners, receivers whose transfer
+failed, the evaluator and a restarted trainer, but not through the bus's RPC: the trainer
+writes the staged file itself (``meta["store"] == "file"``, :meth:`staged_path`; committed
+``stored="file"``), and ``get_bucket`` reads that version's buckets from its file. A trainer
+that cannot reach the directory (another machine, no shared file system) puts the buckets as
+usual. Only the legacy group publish (no ``store``) holds just the layout.
 """
 
 from __future__ import annotations
@@ -48,15 +56,36 @@ class WeightStore:
     def current(self) -> int:
         return max(self.committed, default=-1)
 
-    def begin(self, version: int, meta: dict[str, Any]) -> None:
+    def begin(self, version: int, meta: dict[str, Any], publish: str | None = None) -> None:
         if version <= self.current:
             raise BusError(f"weight version {version} is not newer than the current {self.current}")
         buckets = int(meta.get("buckets", 0))
         if buckets < 1:
             raise BusError("a weight version needs at least one bucket")
-        # A version whose bytes travel over a tensor group (nccl://) holds only its layout here.
-        fill = {} if meta.get("via") == "group" else None
-        self.open = {version: {"meta": dict(meta), "buckets": [fill] * buckets}}  # one at a time
+        # A legacy group publish (nccl://, no store) holds only its layout here.
+        fill = {} if meta.get("via") == "group" and not meta.get("store") else None
+        entry = {"meta": dict(meta), "buckets": [fill] * buckets, "publish": publish}
+        self.open = {version: entry}  # one at a time
+
+    def pending_after(self, after: int, skip: str | None = None) -> dict[str, Any] | None:
+        """The version being published over a tensor group, if above ``after`` and not the
+        publish ``skip`` (one already taken part in: a restarted trainer publishes the same
+        version again under a new id): its receivers join the transfer before the commit, and
+        switch to it only once it is committed."""
+        for version, entry in self.open.items():
+            if (
+                version > after
+                and version > self.current
+                and entry["meta"].get("via") == "group"
+                and (skip is None or entry["publish"] != skip)
+            ):
+                head = {"version": version, "meta": entry["meta"], "buckets": len(entry["buckets"])}
+                return {**head, "committed": False, "publish": entry["publish"]}
+        return None
+
+    def staged_path(self, version: int) -> Path | None:
+        """Where the publisher of ``version`` writes its bytes itself (``store = "file"``)."""
+        return self._staged(version) if self.directory is not None else None
 
     def put_bucket(self, version: int, index: int, tensors: dict[str, Any]) -> None:
         pending = self.open.get(version)
@@ -68,11 +97,20 @@ class WeightStore:
         self.stats["buckets_in"] += 1
         self.stats["bytes_in"] += sum(_nbytes(t) for t in tensors.values())
 
-    def seal(self, version: int) -> dict[str, Any]:
-        """Close the open upload of ``version`` (every bucket must be there) for ``stage``."""
+    def seal(self, version: int, stored: str = "put") -> dict[str, Any]:
+        """Close the open upload of ``version`` (every bucket must be there) for ``stage``;
+        ``stored="file"``: the publisher wrote the staged file itself."""
         pending = self.open.get(version)
         if pending is None:
             raise UploadLost(f"weight version {version} was not begun")
+        if stored == "file":
+            path = self.staged_path(version)
+            if path is None or not path.exists():
+                del self.open[version]  # the retry begins again, and writes it again
+                raise UploadLost(f"weight version {version}: the publisher's file is missing")
+            pending["file"] = True
+            del self.open[version]
+            return pending
         missing = [i for i, b in enumerate(pending["buckets"]) if b is None]
         if missing:
             raise BusError(f"weight version {version} is missing buckets {missing}")
@@ -81,12 +119,12 @@ class WeightStore:
 
     def stage(self, version: int, entry: dict[str, Any]) -> None:
         """Write a sealed version under its temporary name (a thread may run this)."""
-        if self.directory is not None and entry["meta"].get("via") != "group":
+        if self.directory is not None and not entry.get("file") and not _layout_only(entry):
             self._write(version, entry, self._staged(version))
 
     def promote(self, version: int, entry: dict[str, Any]) -> None:
         """The log holds the commit: the version becomes the current one (file renamed)."""
-        if self.directory is not None and entry["meta"].get("via") != "group":
+        if self.directory is not None and not _layout_only(entry):
             os.replace(self._staged(version), self._final(version))
             self._prune_files()
         self.committed[version] = entry
@@ -115,9 +153,13 @@ class WeightStore:
         entry = self.committed.get(version)
         if entry is None:
             raise VersionGone(f"weight version {version} is gone; the latest is {self.current}")
-        if entry["meta"].get("via") == "group":
+        if _layout_only(entry):
             raise BusError(f"weight version {version} travels over a tensor group, not the bus")
+        if not 0 <= index < len(entry["buckets"]):
+            raise BusError(f"bucket {index} out of range for version {version}")
         tensors = entry["buckets"][index]
+        if tensors is None:  # written by its publisher: read from the file, held by nobody
+            tensors = self._read_bucket(version, index)
         self.stats["buckets_out"] += 1
         self.stats["bytes_out"] += sum(_nbytes(t) for t in tensors.values())
         return {"version": version, "index": index, "tensors": tensors}
@@ -136,37 +178,26 @@ class WeightStore:
         return self.directory / f"v{version:012d}.safetensors"
 
     def _write(self, version: int, entry: dict[str, Any], path: Path) -> None:
-        """Write the version as one safetensors file at ``path`` (via a ``.tmp``: a torn write
-        never carries the name). Straight from the tensors' bytes (wire-form tensors are never
-        turned into torch tensors here); ``safetensors`` reads it back in ``recover``.
-        """
-        assert self.directory is not None
-        self.directory.mkdir(parents=True, exist_ok=True)
-        header: dict[str, Any] = {
-            "__metadata__": {"version": str(version), "meta": json.dumps(entry["meta"])}
-        }
-        views, offset = [], 0
-        for i, bucket in enumerate(entry["buckets"]):
-            for name, tensor in bucket.items():
-                view, dtype, shape = _raw(tensor)
-                header[f"{i}/{name}"] = {
-                    "dtype": _ST_DTYPES[dtype],
-                    "shape": shape,
-                    "data_offsets": [offset, offset + view.nbytes],
+        """Straight from the tensors' bytes (wire-form tensors are never turned into torch
+        tensors here); ``safetensors`` reads it back in ``recover``."""
+        write_version_file(path, version, entry["meta"], entry["buckets"], fsync=self.fsync)
+
+    def _read_bucket(self, version: int, index: int) -> dict[str, Any]:
+        from safetensors import safe_open
+
+        path = self._final(version)
+        prefix = f"{index}/"
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return {
+                    key[len(prefix) :]: f.get_tensor(key)
+                    for key in f.keys()  # noqa: SIM118  (safe_open is not a mapping)
+                    if key.startswith(prefix)
                 }
-                views.append(view)
-                offset += view.nbytes
-        head = json.dumps(header, separators=(",", ":")).encode()
-        head += b" " * ((-len(head)) % 8)  # safetensors aligns the data to 8 bytes
-        tmp = self.directory / f".v{version}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(head)))
-            f.write(head)
-            for view in views:
-                f.write(view)
-            if self.fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+        except FileNotFoundError:
+            raise VersionGone(
+                f"weight version {version} is gone; the latest is {self.current}"
+            ) from None
 
     def _prune_files(self) -> None:
         assert self.directory is not None
@@ -184,7 +215,7 @@ class WeightStore:
         if self.directory is None or not self.directory.exists():
             return
         known = -1 if committed is None else committed
-        for tmp in self.directory.glob(".v*.tmp"):
+        for tmp in self.directory.glob(".v*.tmp"):  # both .v<N>.tmp and .v<N>.staged.tmp
             tmp.unlink(missing_ok=True)  # a write torn by the kill
         for staged in sorted(self.directory.glob(".v*.staged")):
             version = int(staged.name[2:].split(".")[0])
@@ -212,6 +243,42 @@ class WeightStore:
                 index, name = key.split("/", 1)
                 buckets[int(index)][name] = f.get_tensor(key)
         self.committed[int(meta["version"])] = {"meta": info, "buckets": buckets}
+
+
+def _layout_only(entry: dict[str, Any]) -> bool:
+    """A legacy group publish: the bus holds its layout, not its bytes."""
+    return entry["meta"].get("via") == "group" and not entry["meta"].get("store")
+
+
+def write_version_file(
+    path: Path, version: int, meta: dict[str, Any], buckets: list[dict[str, Any]], *, fsync: bool
+) -> None:
+    """Write a weight version as one safetensors file at ``path`` (via a ``.tmp``: a torn write
+    never carries the name); what the bus and the weight plane's publisher both write."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header: dict[str, Any] = {"__metadata__": {"version": str(version), "meta": json.dumps(meta)}}
+    views, offset = [], 0
+    for i, bucket in enumerate(buckets):
+        for name, tensor in bucket.items():
+            view, dtype, shape = _raw(tensor)
+            header[f"{i}/{name}"] = {
+                "dtype": _ST_DTYPES[dtype],
+                "shape": shape,
+                "data_offsets": [offset, offset + view.nbytes],
+            }
+            views.append(view)
+            offset += view.nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * ((-len(head)) % 8)  # safetensors aligns the data to 8 bytes
+    tmp = path.with_name(f"{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for view in views:
+            f.write(view)
+        if fsync:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _nbytes(tensor: Any) -> int:

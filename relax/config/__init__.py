@@ -53,6 +53,7 @@ from relax.config._models import (
     RolloutCorrectionConfig,
     SupervisorConfig,
     WandbConfig,
+    WeightsConfig,
 )
 from relax.config._overrides import apply_overrides, override_path
 from relax.config._roles import (
@@ -114,6 +115,8 @@ class ClusterConfig(ConfigModel):
     """Advantage estimator, policy loss, KL and off-policy corrections."""
     bus: BusConfig = BusConfig()
     """The TransferQueue the roles exchange samples through."""
+    weights: WeightsConfig = WeightsConfig()
+    """How published weights reach the rollouts (a tensor group, or the bus)."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     """When training state is saved and resumed."""
     logging: LoggingConfig = LoggingConfig()
@@ -515,6 +518,7 @@ __all__ = [
     "TrainerConfig",
     "VllmConfig",
     "WandbConfig",
+    "WeightsConfig",
     "apply_overrides",
     "load_config",
     "parse_config",

@@ -42,7 +42,7 @@ from typing import Any
 
 from relax.actors import Actor
 from relax.agents import AgentServer, Sampler, SessionStore, Trajectory, cut_at_stop
-from relax.bus import BusClient
+from relax.bus import BusClient, WeightSubscriber, plane_options
 from relax.config import ClusterConfig
 from relax.engines import (
     EngineError,
@@ -135,6 +135,7 @@ class RolloutRole(Actor):
         self._samples: BusClient | None = None
         self.episodes: dict[str, int] = {}  # episodes by how they ended
         self._new_weights: asyncio.Condition | None = None
+        self._plane: WeightSubscriber | None = None  # [weights] transport = "group"
         self._loading = asyncio.Lock()
         self._unpaused = asyncio.Event()
         self._unpaused.set()
@@ -172,6 +173,8 @@ class RolloutRole(Actor):
                 (self.run_dir / "endpoints" / f"{self.context.id}.json").unlink(missing_ok=True)
         if self.sampler is not None:
             await self.sampler.aclose()
+        if self._plane is not None:
+            await self._plane.aclose()
         if self.engine is not None:
             await self.engine.close()
 
@@ -203,12 +206,17 @@ class RolloutRole(Actor):
             stats["endpoint"] = {"url": self.server.url, **self.server.statistics()}
         if self.episodes:
             stats["episodes"] = dict(self.episodes)
+        if self._plane is not None:
+            stats["weight_plane"] = self._plane.statistics()
         return stats
 
     async def _sync_weights(self, bus: BusClient, wait: float) -> bool:
         """Load the newest published version, if newer than ours; True when one was loaded."""
         assert self.engine is not None and self._new_weights is not None
-        got = await bus.poll_weights(after=self.engine.version, wait=wait)
+        if self._plane is not None:  # over the group, verified; from the bus when it must
+            got = await self._plane.next(self.engine.version, wait=wait)
+        else:
+            got = await bus.poll_weights(after=self.engine.version, wait=wait)
         if got is None:
             return False
         async with self._loading:  # the follower and a "behind" admission may both fetch
@@ -247,6 +255,11 @@ class RolloutRole(Actor):
             await connect_bus(self.samples_url, cfg, f"rollout-{rank}") as samples,
             await connect_bus(self.samples_url, cfg, f"rollout-{rank}-weights") as weights,
         ):
+            if cfg.weights.transport == "group":
+                # A new member each start: a restarted rollout's old self leaves with its lease.
+                member = f"{self.context.id}-{rank}-{secrets.token_hex(4)}"
+                options = plane_options(cfg.weights, self.samples_url)
+                self._plane = WeightSubscriber(weights, member, options)
             await self._sync_weights(weights, wait=0)  # serve the current version first
             follower = asyncio.create_task(self._follow_weights(weights))
             self._samples = samples

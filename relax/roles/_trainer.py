@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from relax.bus import Batch, BusClient, WeightPublisher, plane_options
 from relax.config import ClusterConfig
 from relax.models import load_policy, pad_token_id
 from relax.observe import MetricsFanout, build_sinks
@@ -131,6 +132,7 @@ class TrainerRole(LearnerRole):
         self._sinks: MetricsFanout | None = None  # [logging]'s sinks, built at the first record
         self._lock = threading.Lock()  # one backend operation at a time, across threads
         self._published = -1  # the newest version the bus holds (rank 0)
+        self._plane: WeightPublisher | None = None  # [weights] transport = "group" (rank 0)
         self._holding_rows = False  # a batch is taken and not yet published/acked
 
     async def on_start(self) -> None:
@@ -239,36 +241,55 @@ class TrainerRole(LearnerRole):
         size = cfg.trainer.global_batch_size
         columns = train_columns(cfg)
         async with await connect_bus(self.samples_url, cfg, "trainer") as bus:
-            published = (await bus.statistics())["weights"]["current"]
-            newer = (
-                await bus.poll_weights(after=self.backend.version, wait=0)
-                if published > self.backend.version
-                else None
-            )
-            if newer is not None:  # published after our last checkpoint: continue from there
-                await self._together("adopt", version=newer[0], weights=newer[1])
-                self.log.warning("continuing from published weights", version=newer[0])
-            elif published < self.backend.version:  # a resumed run: the rollouts catch up first
-                await bus.publish_weights(self.backend.version, await self._together("publish"))
-            self._published = self.backend.version
-            self._forget_unpublished_steps()
-            while self.backend.version < cfg.trainer.steps:
-                self._holding_rows = False
-                once = asyncio.ensure_future(self._train_once(bus, size, columns))
-                try:
-                    await asyncio.shield(once)
-                except asyncio.CancelledError:
-                    # Stopping. Rows already taken are trained, published and acked first, so
-                    # the stop's checkpoint holds them; a wait for rows is simply abandoned.
-                    if self._holding_rows:
-                        with contextlib.suppress(Exception):
-                            await once
-                    else:
-                        once.cancel()
-                    raise
-            latest = self._latest_checkpoint()
-            if latest is None or latest.name != _checkpoint_name(self.backend.version):
-                await self._together("checkpoint")  # the end of training is always saved
+            if cfg.weights.transport == "group":
+                self._plane = WeightPublisher(bus, plane_options(cfg.weights, self.samples_url))
+            try:
+                await self._lead_on(bus, size, columns)
+            finally:
+                if self._plane is not None:
+                    await self._plane.aclose()
+
+    async def _publish(
+        self, bus: BusClient, version: int, weights: dict[str, Any], ack: Batch | None = None
+    ) -> None:
+        """Publish ``weights`` as ``version``: over the weight plane, or through the bus."""
+        if self._plane is not None:
+            await self._plane.publish(version, weights, ack=ack)
+        else:
+            await bus.publish_weights(version, weights, ack=ack)
+
+    async def _lead_on(self, bus: BusClient, size: int, columns: tuple[str, ...]) -> None:
+        cfg = self.cfg
+        published = (await bus.statistics())["weights"]["current"]
+        newer = (
+            await bus.poll_weights(after=self.backend.version, wait=0)
+            if published > self.backend.version
+            else None
+        )
+        if newer is not None:  # published after our last checkpoint: continue from there
+            await self._together("adopt", version=newer[0], weights=newer[1])
+            self.log.warning("continuing from published weights", version=newer[0])
+        elif published < self.backend.version:  # a resumed run: the rollouts catch up first
+            await self._publish(bus, self.backend.version, await self._together("publish"))
+        self._published = self.backend.version
+        self._forget_unpublished_steps()
+        while self.backend.version < cfg.trainer.steps:
+            self._holding_rows = False
+            once = asyncio.ensure_future(self._train_once(bus, size, columns))
+            try:
+                await asyncio.shield(once)
+            except asyncio.CancelledError:
+                # Stopping. Rows already taken are trained, published and acked first, so
+                # the stop's checkpoint holds them; a wait for rows is simply abandoned.
+                if self._holding_rows:
+                    with contextlib.suppress(Exception):
+                        await once
+                else:
+                    once.cancel()
+                raise
+        latest = self._latest_checkpoint()
+        if latest is None or latest.name != _checkpoint_name(self.backend.version):
+            await self._together("checkpoint")  # the end of training is always saved
 
     async def _train_once(self, bus: Any, size: int, columns: tuple[str, ...]) -> None:
         """Take one batch, step, record; publish (acking the batch with the commit) or, for a
@@ -337,7 +358,7 @@ class TrainerRole(LearnerRole):
                 )
             if result.applied:
                 weights = await self._together("publish")
-                await bus.publish_weights(self.backend.version, weights, ack=batch)
+                await self._publish(bus, self.backend.version, weights, ack=batch)
                 self._published = self.backend.version
                 every = cfg.checkpoint.every_steps
                 if every and self.backend.version % every == 0:

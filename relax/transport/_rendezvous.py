@@ -148,6 +148,16 @@ def host_named_store(host: str, port: int, name: str, timeout: datetime.timedelt
         return server.store
 
 
+def reserve_named_store(host: str, timeout: datetime.timedelta) -> int:
+    """Host a group store on a port the kernel picks on ``host`` and keep it listening until
+    :func:`release_named_store`: a process that opens group after group (the weight plane,
+    one per membership) announces one address, and no other process can take its port."""
+    with _servers_lock:
+        store, port = host_store(host, 0, timeout, what="group store")
+        _servers[(host, port)] = _StoreServer(store, users=1)
+        return port
+
+
 def release_named_store(host: str, port: int) -> None:
     """One group fewer on ``host:port``'s store; the last one stops it listening."""
     with _servers_lock:

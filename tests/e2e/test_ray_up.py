@@ -78,6 +78,12 @@ async def test_digits_recipe_runs_with_its_rollout_on_ray(tmp_path: Path) -> Non
     assert max(r["newest_row_version"] for r in rows) > 0, rows
     for r in rows:
         assert r["oldest_row_version"] >= r["trainer_version_at_take"] - cfg.staleness_bound, r
+    # Those weights came over the weight plane's gloo group (the default), not the bus: the
+    # Ray-placed rollout's own log (relayed from its node) says it joined the group.
+    events = [json.loads(line) for line in (layout.run_dir / "logs" / "rollout-0.jsonl").open()]
+    joined = [e for e in events if e["event"] == "joined the weight group"]
+    assert joined and joined[0]["backend"] == "gloo" and joined[0]["size"] == 2, joined
+    assert not [e for e in events if e["event"].startswith("weight transfer failed")]
 
 
 async def test_every_role_on_ray_runs_from_one_command(tmp_path: Path) -> None:

@@ -1,0 +1,273 @@
+"""Weight publishing inside a running cluster, against memcpy of the same bytes in the same run.
+
+A bus (``BusService``, persisted, in its own process, as ``relax up`` runs it) and one or two
+receiver processes (``tests/bus/weight_plane_peer.py``: a rollout's weight follower without the
+engine). The publisher (this process, the trainer's side) publishes a ~50 MB and a ~1 GB state
+dict of float32 tensors:
+
+- ``group``: the weight plane (``[weights] transport = "group"``): the version is announced on
+  the bus, the bytes go over a gloo group with a checksum per bucket, the trainer writes the
+  durable copy into the bus's folder itself, the receivers switch on the commit;
+- ``bus``: every byte through the bus's RPC (``transport = "bus"``).
+
+A publish is timed from its start until the last receiver switched to it (the receivers print
+``time.monotonic()``, one clock for every process of the machine). Baseline: ``Tensor.copy_``
+of the same number of bytes. Each configuration first publishes a tiny version (forming the
+group is not what a steady publish costs). Also measured: the publisher's peak extra resident
+memory during the 1 GB group publish (sampled every 2 ms), against the bucket size.
+
+Run: ``python bench/weights.py [--rounds 1] [--bucket-mb 64]``. The last lines are
+machine-readable, one ``name = value`` each, ending with ``weights_group_vs_memcpy_1GB`` and
+``weights_bus_vs_memcpy_1GB``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from relax.actors import ChildSpec, Process, Supervisor  # noqa: E402
+from relax.bus import BusClient, BusService  # noqa: E402
+from relax.bus._plane import PlaneOptions, WeightPublisher  # noqa: E402
+from relax.log import configure_logging  # noqa: E402
+from relax.transport import Limits  # noqa: E402
+
+LIMITS = Limits(frame_bytes=8 << 20, max_message_bytes=1 << 30)
+SIZES = {"50MB": 50 << 20, "1GB": 1 << 30}
+LEASE = 3.0
+
+
+def state_of(nbytes: int) -> dict[str, torch.Tensor]:
+    """float32 tensors of 16 MiB each (a layer's worth), plus the rest."""
+    per = 4 << 20
+    count, rest = divmod(nbytes // 4, per)
+    state = {f"layers.{i}.weight": torch.randn(per) for i in range(count)}
+    if rest:
+        state["tail"] = torch.randn(rest)
+    return state
+
+
+def memcpy_seconds(nbytes: int) -> float:
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in first
+    start = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - start
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """The peak resident size above the one at entry, sampled every 2 ms on a thread (the
+    process's own high-water mark would include earlier peaks, like memcpy's buffers)."""
+
+    def __enter__(self) -> PeakRss:
+        self.base = self.peak = rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+class Receivers:
+    """Receiver processes, each printing one JSON line per version it switched to."""
+
+    def __init__(self, url: str, count: int, mode: str, tag: str) -> None:
+        self.url, self.count, self.mode, self.tag = url, count, mode, tag
+        self.procs: list[asyncio.subprocess.Process] = []
+
+    async def __aenter__(self) -> Receivers:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        for i in range(self.count):
+            self.procs.append(
+                await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "tests.bus.weight_plane_peer",
+                    self.url,
+                    f"{self.tag}-{i}",
+                    str(LEASE),
+                    self.mode,
+                    cwd=ROOT,
+                    env=env,
+                    stdout=asyncio.subprocess.PIPE,
+                )
+            )
+        return self
+
+    async def switched(self, version: int) -> float:
+        """When the last receiver switched to ``version`` (``time.monotonic()``)."""
+        times = []
+        for proc in self.procs:
+            while True:
+                line = await asyncio.wait_for(proc.stdout.readline(), 600)  # type: ignore[union-attr]
+                if not line:
+                    raise RuntimeError("a receiver ended")
+                if line.startswith(b"{") and json.loads(line)["version"] == version:
+                    times.append(json.loads(line)["t"])
+                    break
+        return max(times)
+
+    async def __aexit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            proc.kill()
+            await proc.wait()
+
+
+async def members(bus: BusClient) -> list[str]:
+    return list(await bus._call({"op": "w_members", "lease": LEASE}))
+
+
+async def measure(
+    url: str, mode: str, receivers: int, states: dict[str, dict], bucket_mb: int, first: int
+) -> tuple[dict[str, float], int]:
+    """Seconds per size for one (mode, receivers); and the group's peak extra memory."""
+    out: dict[str, float] = {}
+    extra = 0
+    options = PlaneOptions(bucket_bytes=bucket_mb << 20, timeout=120.0, lease=LEASE)
+    async with (
+        await BusClient.connect(url, limits=LIMITS) as bus,
+        Receivers(url, receivers, mode, f"{mode}{receivers}-{first}") as peers,
+    ):
+        publisher = WeightPublisher(bus, options)
+        if mode == "group":
+            deadline = time.monotonic() + 120
+            want = [f"{peers.tag}-{i}" for i in range(receivers)]
+            # Exactly these: the last measurement's receivers must have left (their lease).
+            while await members(bus) != want:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("receivers did not join")
+                await asyncio.sleep(0.05)
+        try:
+            # A first small version: forming the group (and the receivers' first fetch) is
+            # not what a steady publish costs.
+            warm = {"w": torch.zeros(1024)}
+            if mode == "group":
+                await publisher.publish(first, warm)
+            else:
+                await bus.publish_weights(first, warm)
+            await peers.switched(first)
+            version = first + 1
+            for name, state in states.items():
+                with PeakRss() as rss:
+                    start = time.monotonic()
+                    if mode == "group":
+                        await publisher.publish(version, state)
+                    else:
+                        await bus.publish_weights(version, state, bucket_bytes=bucket_mb << 20)
+                    out[name] = await peers.switched(version) - start
+                if mode == "group":
+                    stats = publisher.statistics()
+                    out[f"{name}_transfer"] = stats["last_transfer_s"]
+                    out[f"{name}_publish"] = stats["last_publish_s"]
+                if mode == "group" and name == "1GB":
+                    extra = rss.extra
+                version += 1
+        finally:
+            await publisher.aclose()
+    return out, extra
+
+
+async def main(rounds: int, bucket_mb: int) -> None:
+    configure_logging(level="error")
+    states = {name: state_of(n) for name, n in SIZES.items()}
+    nbytes = {name: sum(t.numel() * 4 for t in s.values()) for name, s in states.items()}
+    results: dict[str, list[float]] = {}
+    extras: list[int] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        bus_kwargs = {
+            "url": f"ipc://{tmp}/bus.sock",
+            "run_dir": tmp,
+            "staleness": "inf",
+            "frame_bytes": LIMITS.frame_bytes,
+            "max_message_bytes": LIMITS.max_message_bytes,
+        }
+        async with Supervisor(
+            [ChildSpec("bus", BusService, kwargs=bus_kwargs, placement=Process())]
+        ) as sup:
+            url = await sup.ref("bus").call("address")
+            version = 1
+            for _ in range(rounds):
+                for name, n in nbytes.items():
+                    results.setdefault(f"memcpy_{name}", []).append(memcpy_seconds(n))
+                for mode in ("group", "bus"):
+                    for receivers in (1, 2):
+                        took, extra = await measure(
+                            url, mode, receivers, states, bucket_mb, version
+                        )
+                        version += len(states) + 1
+                        if extra:
+                            extras.append(extra)
+                        for name, seconds in took.items():
+                            results.setdefault(f"{mode}{receivers}_{name}", []).append(seconds)
+    med = {k: statistics.median(v) for k, v in results.items()}
+    print(
+        f"median of {rounds} round(s); bus persisted, in its own process; buckets {bucket_mb} MiB"
+    )
+    for name, n in nbytes.items():
+        memcpy = med[f"memcpy_{name}"]
+        print(f"{name}: memcpy {n / memcpy / 1e9:6.2f} GB/s ({memcpy * 1e3:8.1f} ms)")
+        for mode in ("group", "bus"):
+            for receivers in (1, 2):
+                took = med[f"{mode}{receivers}_{name}"]
+                parts = ""
+                if mode == "group":
+                    transfer = med[f"{mode}{receivers}_{name}_transfer"]
+                    publish = med[f"{mode}{receivers}_{name}_publish"]
+                    parts = (
+                        f"  (publish {publish * 1e3:.0f} ms, of it transfer {transfer * 1e3:.0f})"
+                    )
+                print(
+                    f"  {mode:>5} to {receivers}: {took * 1e3:9.1f} ms  "
+                    f"{n / took / 1e9:6.2f} GB/s  {memcpy / took:6.3f}x memcpy{parts}"
+                )
+    extra = statistics.median(extras) if extras else 0
+    print(f"publisher peak extra memory, 1 GB over the group: {extra / 2**20:.0f} MiB")
+    for name in SIZES:
+        for mode in ("group", "bus"):
+            for receivers in (1, 2):
+                ratio = med[f"memcpy_{name}"] / med[f"{mode}{receivers}_{name}"]
+                print(f"weights_{mode}_to_{receivers}_vs_memcpy_{name} = {ratio:.4f}")
+    print(f"weights_publish_extra_peak_MiB_1GB = {extra / 2**20:.0f}")
+    print(f"weights_group_vs_memcpy_1GB = {med['memcpy_1GB'] / med['group2_1GB']:.4f}")
+    print(f"weights_bus_vs_memcpy_1GB = {med['memcpy_1GB'] / med['bus2_1GB']:.4f}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--bucket-mb", type=int, default=64)
+    args = parser.parse_args()
+    asyncio.run(main(args.rounds, args.bucket_mb))

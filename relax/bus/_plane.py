@@ -1,0 +1,476 @@
+"""The weight plane: published versions go to the rollouts over a tensor group, not the bus.
+
+The bus's RPC moves bytes at about 0.05x memcpy; a tensor group (gloo on CPU, NCCL on GPUs,
+``relax.transport.open_group``) is what a weight sync inside a cluster should use. The bus
+still carries what must be ordered and durable: the announcement of a version (its layout,
+one checksum per bucket and the group to receive it on), and the commit (with the ack of the
+rows the version was trained on). The bytes of each version also land in the bus's weights
+directory, written by the publisher itself (no RPC), so late joiners, a receiver whose
+transfer failed, the evaluator and a restarted trainer read them there through the bus.
+
+One publish of version ``V`` (``WeightPublisher.publish``):
+
+1. ``w_members``: the receivers that polled within their lease. When they changed since the
+   last version (a rollout restarted, added or removed), or the group broke, a new group is
+   formed: a new epoch, one named group on the store this publisher keeps listening.
+2. ``w_begin`` announces ``V``; receivers long-polling with ``pending_after`` learn it.
+3. At once, and concurrently: the group transfer (bucket by bucket, every collective with a
+   timeout; a receiver SIGKILLed mid-transfer is a ``PeerGone`` within ``stall_timeout``:
+   logged, the group is dropped and formed anew at the next version, of the receivers that
+   polled since) and the durable copy (the staged file, or bucket puts when the bus's
+   directory is not reachable from here); once both ended, ``w_commit``. The publisher never
+   waits for a receiver longer than the timeouts.
+
+A receiver (``WeightSubscriber.next``) checks each bucket against the publisher's checksum
+(computed where the tensors are: a wrapping sum of 64-bit words per tensor, weighted by its
+position, so a flipped byte or two swapped tensors are caught) and switches to ``V`` only when
+the bus committed ``V`` with the same publish id: never half a version, never two mixed, never
+one whose commit (and ack) was not logged. Anything else (not a member yet, a failed or
+corrupt transfer, a newer commit) reads the committed version from the bus instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from relax.bus._client import Batch, BusClient, _buckets
+from relax.bus._weights import write_version_file
+from relax.errors import BusError, TransportError, UploadLost, VersionGone, WeightsCorrupt
+from relax.log import get_logger
+
+_PUBLISH_ATTEMPTS = 20
+_MASK = (1 << 64) - 1
+
+
+def bucket_digest(tensors: list[Any]) -> int:
+    """A cheap checksum of ``tensors``' bytes, computed on their device: per tensor the
+    wrapping sum of its 64-bit words (its tail bytes weighted by position) plus its byte
+    count, combined weighted by the tensor's position in the bucket."""
+    import torch
+
+    total = 0
+    for k, tensor in enumerate(tensors):
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        n = flat.numel()
+        whole = n - n % 8
+        try:
+            words = flat[:whole].view(torch.int64)
+        except RuntimeError:  # a storage offset not on a word boundary: copy it once
+            words = flat[:whole].clone().view(torch.int64)
+        s = int(words.sum()) if whole else 0
+        if n > whole:
+            tail = flat[whole:].to(torch.int64)
+            s += int((tail * torch.arange(1, n - whole + 1, device=tail.device)).sum())
+        total = (total + (k + 1) * ((s + n) & _MASK)) & _MASK
+    return total
+
+
+@dataclass(frozen=True)
+class PlaneOptions:
+    """How the weight plane moves versions (``[weights]``)."""
+
+    host: str = "127.0.0.1"
+    """Where the publisher's group store listens: an address every receiver reaches."""
+    bucket_bytes: int = 64 << 20
+    timeout: float = 30.0
+    """Seconds a group may take to form, and a bucket to start moving."""
+    stall_timeout: float = 5.0
+    """Seconds a moving bucket may make no progress before its peer counts as gone."""
+    lease: float = 10.0
+    """Seconds after its last poll that a receiver still counts as a member."""
+    device: str | None = None
+    """The group's device (``None``: CUDA when available, else CPU)."""
+
+
+def plane_host(bus_url: str) -> str:
+    """Where a publisher's group store listens: this machine's address on the way to the bus
+    (every receiver reaches the bus, so it reaches that network too); loopback when the bus
+    is local (``inproc://``, ``ipc://``, a loopback ``tcp://``)."""
+    from urllib.parse import urlsplit
+
+    from relax.transport._rendezvous import local_address_towards
+
+    parts = urlsplit(bus_url)
+    if parts.scheme != "tcp" or not parts.hostname:
+        return "127.0.0.1"
+    return local_address_towards(parts.hostname, parts.port or 1)
+
+
+def plane_options(weights: Any, bus_url: str) -> PlaneOptions:
+    """``PlaneOptions`` from a ``[weights]`` section (``relax.config.WeightsConfig``)."""
+    return PlaneOptions(
+        host=plane_host(bus_url),
+        bucket_bytes=int(weights.bucket_mb) << 20,
+        timeout=float(weights.timeout),
+        stall_timeout=float(weights.stall_timeout),
+        lease=float(weights.lease),
+    )
+
+
+def _layout(bucket: dict[str, Any]) -> list[list[Any]]:
+    return [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in bucket.items()]
+
+
+class WeightPublisher:
+    """The trainer's side: publishes each version to the current receivers over a group."""
+
+    def __init__(self, bus: BusClient, options: PlaneOptions = PlaneOptions()) -> None:
+        self._bus, self._opts = bus, options
+        self._log = get_logger("weights")
+        self._port: int | None = None
+        self._group: Any = None
+        self._members: list[str] = []
+        self._epoch = 0
+        self._file_ok = True  # False once the bus could not find a file written here
+        self._failed_at: float | None = None  # when the last transfer failed
+        self._stats: dict[str, Any] = {
+            "published": 0,
+            "via_group": 0,
+            "group_failures": 0,
+            "epochs": 0,
+            "last_publish_s": 0.0,
+            "last_transfer_s": 0.0,
+            "last_failure": None,
+        }
+
+    def statistics(self) -> dict[str, Any]:
+        group = self._group.statistics() if self._group is not None else None
+        return {**self._stats, "members": list(self._members), "group": group}
+
+    async def publish(
+        self, version: int, state: dict[str, Any], *, ack: Batch | None = None
+    ) -> int:
+        """Publish ``state`` as ``version``; returns how many receivers got it over the group."""
+        started = time.monotonic()
+        buckets = _buckets(state, self._opts.bucket_bytes)
+        digests = await asyncio.to_thread(
+            lambda: [bucket_digest(list(b.values())) for b in buckets]
+        )
+        lease = self._opts.lease
+        if self._failed_at is not None:
+            # After a failed transfer only the receivers that polled since count: the one that
+            # died (whose lease has not run out yet) would make the next group wait for it.
+            lease = min(lease, time.monotonic() - self._failed_at)
+            self._failed_at = None
+        members = list(await self._bus._call({"op": "w_members", "lease": lease}))
+        if members != self._members or (self._group is None and members):
+            await self._close_group()
+            self._members = members
+            if members:
+                self._epoch += 1
+                self._stats["epochs"] += 1
+        meta: dict[str, Any] = {
+            "buckets": len(buckets),
+            "names": list(state),
+            "via": "group",
+            "store": "file",
+            "layout": [_layout(b) for b in buckets],
+            "digests": [str(d) for d in digests],  # msgpack ints stop at 64 bits signed
+            "group": self._group_info() if members else None,
+        }
+        publish = uuid.uuid4().hex
+        transfer: asyncio.Task[bool] | None = None
+        try:
+            for _ in range(_PUBLISH_ATTEMPTS):
+                try:
+                    began = await self._bus._call(
+                        {"op": "w_begin", "version": version, "meta": meta, "publish": publish}
+                    )
+                    if began.get("already"):
+                        break
+                    if transfer is None and members:
+                        transfer = asyncio.create_task(self._transfer(buckets))
+                    stored = await self._store(version, meta, buckets, began.get("file"))
+                    if transfer is not None:
+                        # Committed once the transfer ended (bounded by its timeouts): a
+                        # receiver sees the version pending, never committed, while it moves.
+                        await asyncio.wait({transfer})
+                    commit: dict[str, Any] = {
+                        "op": "w_commit",
+                        "version": version,
+                        "publish": publish,
+                        "stored": stored,
+                        "set_trainer_version": True,
+                    }
+                    if ack is not None and ack.rows:
+                        commit["ack"] = {"task": ack.task, "items": ack.items}
+                    await self._bus._call(commit)
+                    break
+                except UploadLost as exc:
+                    if "file is missing" in str(exc):
+                        # This folder only looks like the bus's (another machine, the same
+                        # path): send the bytes through the bus from now on.
+                        self._file_ok = False
+                    continue  # or the bus restarted before the commit was logged: again
+            else:
+                raise BusError(f"weight version {version}: upload lost {_PUBLISH_ATTEMPTS} times")
+            if ack is not None and ack.rows:
+                ack.acked = True
+            sent = await transfer if transfer is not None else False
+        finally:
+            if transfer is not None and not transfer.done():
+                await asyncio.wait({transfer})  # bounded by the group's own timeouts
+        self._stats["published"] += 1
+        self._stats["via_group"] += bool(sent)
+        self._stats["last_publish_s"] = time.monotonic() - started
+        return len(members) if sent else 0
+
+    async def aclose(self) -> None:
+        await self._close_group()
+        if self._port is not None:
+            from relax.transport._rendezvous import release_named_store
+
+            release_named_store(self._opts.host, self._port)
+            self._port = None
+
+    # ------------------------------------------------------------------ machinery
+
+    def _group_info(self) -> dict[str, Any]:
+        if self._port is None:
+            from relax.transport._rendezvous import reserve_named_store
+
+            limit = datetime.timedelta(seconds=self._opts.timeout)
+            self._port = reserve_named_store(self._opts.host, limit)
+        host = f"[{self._opts.host}]" if ":" in self._opts.host else self._opts.host
+        url = f"nccl://{host}:{self._port}/weights-{self._epoch}"
+        return {"url": url, "epoch": self._epoch, "members": list(self._members)}
+
+    async def _transfer(self, buckets: list[dict[str, Any]]) -> bool:
+        from relax.transport import open_group
+
+        began = time.monotonic()
+        try:
+            if self._group is None:
+                self._log.info("forming the weight group", epoch=self._epoch, members=self._members)
+                self._group = await open_group(
+                    self._group_info()["url"],
+                    rank=0,
+                    world_size=len(self._members) + 1,
+                    timeout=self._opts.timeout,
+                    stall_timeout=self._opts.stall_timeout,
+                    device=self._opts.device,
+                )
+            for bucket in buckets:
+                await self._group.broadcast_bucket(list(bucket.values()), src=0)
+        except TransportError as exc:
+            # A receiver died or hung: the others fetch this version from the bus, the group is
+            # formed again (without the dead, once its lease ran out) at the next version.
+            self._stats["group_failures"] += 1
+            self._failed_at = time.monotonic()
+            self._stats["last_failure"] = str(exc).splitlines()[0]
+            self._log.warning(
+                "weight transfer failed; receivers read this version from the bus",
+                members=self._members,
+                error=self._stats["last_failure"],
+            )
+            await self._close_group()
+            return False
+        self._stats["last_transfer_s"] = time.monotonic() - began
+        return True
+
+    async def _store(
+        self, version: int, meta: dict[str, Any], buckets: list[dict[str, Any]], file: Any
+    ) -> str:
+        """The durable copy: the staged file when the bus's directory is reachable from here,
+        else the buckets through the bus."""
+        if self._file_ok and file is not None and Path(file).parent.is_dir():
+            await asyncio.to_thread(
+                write_version_file, Path(file), version, meta, buckets, fsync=False
+            )
+            return "file"
+        for index, bucket in enumerate(buckets):
+            await self._bus._call(
+                {"op": "w_put", "version": version, "index": index, "tensors": bucket}
+            )
+        return "put"
+
+    async def _close_group(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            await group.aclose()
+
+
+@dataclass
+class _Received:
+    version: int
+    publish: str
+    state: dict[str, Any]
+
+
+class WeightSubscriber:
+    """A rollout's side: receives versions over the group, verified, switching on commits."""
+
+    def __init__(
+        self,
+        bus: BusClient,
+        member: str,
+        options: PlaneOptions = PlaneOptions(),
+        *,
+        poll_wait: float | None = None,
+    ) -> None:
+        self._bus, self.member, self._opts = bus, member, options
+        # Polls are the lease's heartbeat: well inside it.
+        self._poll_wait = poll_wait if poll_wait is not None else options.lease / 2
+        self._log = get_logger("weights")
+        self._group: Any = None
+        self._epoch: int | None = None
+        # The newest pending publish taken part in (or given up on): (version, publish id).
+        self._handled: tuple[int, str | None] = (-1, None)
+        self._received: _Received | None = None
+        self._stats: dict[str, Any] = {
+            "via_group": 0,
+            "via_bus": 0,
+            "corrupt": 0,
+            "transfer_failures": 0,
+            "last_failure": None,
+        }
+
+    def statistics(self) -> dict[str, Any]:
+        group = self._group.statistics() if self._group is not None else None
+        return {**self._stats, "epoch": self._epoch, "group": group}
+
+    async def next(self, after: int, wait: float = 30.0) -> tuple[int, dict[str, Any]] | None:
+        """The newest committed version above ``after``, whole and verified (``None`` if none
+        came within ``wait``). Keeps this receiver a member while it waits."""
+        deadline = time.monotonic() + wait
+        while True:
+            poll = max(0.0, min(self._poll_wait, deadline - time.monotonic()))
+            head = await self._bus._call(
+                {
+                    "op": "w_poll",
+                    "after": after,
+                    "wait": poll,
+                    "member": self.member,
+                    # The newest publish taken part in is skipped, not its version: a
+                    # restarted trainer publishes that version again, under a new id.
+                    "pending_after": max(after, self._handled[0] - 1),
+                    "pending_skip": self._handled[1],
+                },
+                poll,
+            )
+            if head is None:
+                if time.monotonic() >= deadline:
+                    return None
+                continue
+            if not head.get("committed"):
+                await self._receive(head)
+                continue
+            got = self._received
+            self._received = None
+            if got is not None and (got.version, got.publish) == (head["version"], head["publish"]):
+                self._stats["via_group"] += 1
+                return got.version, got.state
+            fetched = await self._fetch(head)
+            if fetched is not None:
+                self._stats["via_bus"] += 1
+                return fetched
+
+    async def aclose(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            await group.aclose()
+
+    # ------------------------------------------------------------------ machinery
+
+    async def _receive(self, head: dict[str, Any]) -> None:
+        """Take part in the transfer of a pending version, if this receiver is in its group."""
+        import torch
+
+        version, meta = int(head["version"]), head["meta"]
+        self._handled = (version, head.get("publish"))
+        info = meta.get("group")
+        if not info or self.member not in info["members"]:
+            return  # formed without us (we joined after it): the commit is read from the bus
+        try:
+            if self._group is None or self._epoch != info["epoch"]:
+                await self.aclose()
+                self._epoch = info["epoch"]
+                self._group = await self._open(info)
+                self._log.info(
+                    "joined the weight group",
+                    epoch=self._epoch,
+                    rank=self._group.rank,
+                    size=self._group.world_size,
+                    backend=self._group.backend,
+                )
+            state: dict[str, Any] = {}
+            corrupt: list[int] = []
+            for index, layout in enumerate(meta["layout"]):
+                buffers = [torch.empty(s, dtype=getattr(torch, d)) for _, d, s in layout]
+                await self._group.broadcast_bucket(buffers, src=0)
+                # Every bucket is taken part in even after a bad one: the ranks stay in step.
+                if await asyncio.to_thread(bucket_digest, buffers) != int(meta["digests"][index]):
+                    corrupt.append(index)
+                state.update({name: t for (name, _, _), t in zip(layout, buffers, strict=True)})
+            if corrupt:
+                raise WeightsCorrupt(
+                    f"weight version {version}: buckets {corrupt} do not match the publisher's"
+                    " checksums; not applied"
+                )
+        except WeightsCorrupt as exc:
+            self._stats["corrupt"] += 1
+            self._stats["last_failure"] = str(exc)
+            self._log.error(
+                "corrupt weights discarded; reading the version from the bus",
+                version=version,
+                error=str(exc),
+            )
+            return
+        except TransportError as exc:
+            self._stats["transfer_failures"] += 1
+            self._stats["last_failure"] = str(exc).splitlines()[0]
+            self._log.warning(
+                "weight transfer failed; reading the version from the bus",
+                version=version,
+                error=self._stats["last_failure"],
+            )
+            await self.aclose()
+            return
+        names = meta.get("names")
+        if names is not None:
+            state = {name: state[name] for name in names}
+        self._received = _Received(version, str(head.get("publish") or ""), state)
+
+    async def _open(self, info: dict[str, Any]) -> Any:
+        from relax.transport import open_group
+
+        return await open_group(
+            info["url"],
+            rank=info["members"].index(self.member) + 1,
+            world_size=len(info["members"]) + 1,
+            timeout=self._opts.timeout,
+            stall_timeout=self._opts.stall_timeout,
+            device=self._opts.device or "cpu",
+        )
+
+    async def _fetch(self, head: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        """A committed version through the bus (``None``: superseded while read)."""
+        state: dict[str, Any] = {}
+        try:
+            for index in range(int(head["buckets"])):
+                part = await self._bus._call(
+                    {"op": "w_get", "version": head["version"], "index": index}
+                )
+                state.update(part["tensors"])
+        except VersionGone:
+            return None
+        names = head["meta"].get("names")
+        if names is not None and list(state) != names:
+            state = {name: state[name] for name in names}
+        return int(head["version"]), state
+
+
+__all__ = [
+    "PlaneOptions",
+    "WeightPublisher",
+    "WeightSubscriber",
+    "bucket_digest",
+    "plane_host",
+    "plane_options",
+]

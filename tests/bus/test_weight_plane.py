@@ -1,0 +1,239 @@
+"""The weight plane: versions reach receivers over a gloo group, verified, switched on commit;
+the bus carries the announcement and the commit, and serves the publisher's file to the rest."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from relax.actors import ChildSpec, Supervisor
+from relax.bus import BusClient, BusService
+from relax.bus._plane import PlaneOptions, WeightPublisher, WeightSubscriber, bucket_digest
+from tests.polling import wait_until
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+FAST = PlaneOptions(bucket_bytes=1 << 20, timeout=20.0, stall_timeout=2.0, lease=2.0)
+
+
+def state_dict(seed: int, mb: int = 4) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    state = {f"layer.{i}": torch.randn(256, 1024, generator=g) for i in range(mb)}
+    state["embed"] = torch.randn(333, 7, generator=g).bfloat16()  # odd byte count
+    state["steps"] = torch.arange(10, dtype=torch.int64)
+    return state
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture
+async def bus(tmp_path):
+    kwargs = {
+        "url": "tcp://127.0.0.1:0",
+        "run_dir": str(tmp_path),
+        "staleness": "inf",
+        "max_message_bytes": 1 << 30,
+    }
+    async with Supervisor([ChildSpec("bus", BusService, kwargs=kwargs)]) as sup:
+        yield await sup.ref("bus").call("address")
+
+
+async def members(client: BusClient) -> list[str]:
+    return list(await client._call({"op": "w_members", "lease": FAST.lease}))
+
+
+def test_the_digest_sees_a_flipped_byte_and_swapped_tensors() -> None:
+    a, b = torch.randn(100), torch.randn(7, dtype=torch.float64)
+    base = bucket_digest([a, b])
+    assert base == bucket_digest([a.clone(), b.clone()])
+    flipped = a.clone()
+    flipped.view(torch.uint8)[123] ^= 1
+    assert bucket_digest([flipped, b]) != base
+    assert bucket_digest([b, a]) != base
+    odd = torch.arange(5, dtype=torch.uint8)  # tail bytes only
+    assert bucket_digest([odd]) != bucket_digest([odd.flip(0)])
+
+
+async def test_versions_reach_two_receivers_over_the_group_and_a_joiner_through_the_bus(
+    bus,
+) -> None:
+    async with (
+        await BusClient.connect(bus) as trainer_bus,
+        await BusClient.connect(bus) as bus_a,
+        await BusClient.connect(bus) as bus_b,
+        await BusClient.connect(bus) as bus_c,
+    ):
+        pub = WeightPublisher(trainer_bus, FAST)
+        a = WeightSubscriber(bus_a, "a", FAST)
+        b = WeightSubscriber(bus_b, "b", FAST)
+        try:
+            waits = [asyncio.create_task(s.next(-1, wait=60)) for s in (a, b)]
+            await wait_until(lambda: _members_are(trainer_bus, ["a", "b"]), what="both polling")
+            first = state_dict(1)
+            assert await pub.publish(1, first) == 2
+            for got in await asyncio.gather(*waits):
+                assert got is not None and got[0] == 1 and same(got[1], first)
+            assert a.statistics()["via_group"] == b.statistics()["via_group"] == 1
+            weights = (await trainer_bus.statistics())["weights"]
+            assert weights["buckets_in"] == weights["buckets_out"] == 0  # no bytes through RPC
+
+            # A joiner gets the current version from the bus (the publisher's file) first.
+            c = WeightSubscriber(bus_c, "c", FAST)
+            joined = await c.next(-1, wait=10)
+            assert joined is not None and joined[0] == 1 and same(joined[1], first)
+            assert c.statistics()["via_bus"] == 1
+
+            # The next version forms a group of three: a new epoch, every one over it.
+            waits = [asyncio.create_task(s.next(1, wait=60)) for s in (a, b, c)]
+            await wait_until(lambda: _members_are(trainer_bus, ["a", "b", "c"]), what="three")
+            second = state_dict(2)
+            assert await pub.publish(2, second) == 3
+            for got in await asyncio.gather(*waits):
+                assert got is not None and got[0] == 2 and same(got[1], second)
+            assert pub.statistics()["epochs"] == 2
+            assert [s.statistics()["epoch"] for s in (a, b, c)] == [2, 2, 2]
+            # What the bus serves for version 2 is the publisher's file, bit-identical.
+            again = await WeightSubscriber(bus_c, "reader", FAST)._fetch(
+                {"version": 2, "buckets": len(pub_layout(second)), "meta": {"names": None}}
+            )
+            assert again is not None and same(again[1], second)
+        finally:
+            for s in (a, b):
+                await s.aclose()
+            await pub.aclose()
+
+
+def pub_layout(state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    from relax.bus._client import _buckets
+
+    return _buckets(state, FAST.bucket_bytes)
+
+
+async def _members_are(client: BusClient, expected: list[str]) -> bool:
+    return await members(client) == expected
+
+
+async def test_a_corrupted_bucket_is_detected_and_the_version_comes_from_the_bus(bus) -> None:
+    async with (
+        await BusClient.connect(bus) as trainer_bus,
+        await BusClient.connect(bus) as bus_a,
+    ):
+        pub = WeightPublisher(trainer_bus, FAST)
+        a = WeightSubscriber(bus_a, "a", FAST)
+        opened = a._open
+
+        async def open_corrupting(info):  # type: ignore[no-untyped-def]
+            group = await opened(info)
+            receive = group.broadcast_bucket
+
+            async def flipped(tensors, **kwargs):  # type: ignore[no-untyped-def]
+                out = await receive(tensors, **kwargs)
+                if group.statistics()["operations"] == 2:  # one byte of the second bucket
+                    out[0].view(-1).view(torch.uint8)[17] ^= 0x40
+                return out
+
+            group.broadcast_bucket = flipped
+            return group
+
+        a._open = open_corrupting  # type: ignore[method-assign]
+        try:
+            wait = asyncio.create_task(a.next(-1, wait=60))
+            await wait_until(lambda: _members_are(trainer_bus, ["a"]), what="a polling")
+            state = state_dict(3)
+            await pub.publish(1, state)
+            got = await wait
+            assert got is not None and got[0] == 1 and same(got[1], state)  # never the flip
+            stats = a.statistics()
+            assert stats["corrupt"] == 1 and stats["via_group"] == 0 and stats["via_bus"] == 1
+            assert "checksums" in stats["last_failure"]
+            # The group itself is fine: the next version arrives over it.
+            wait = asyncio.create_task(a.next(1, wait=60))
+            await pub.publish(2, state_dict(4))
+            got = await wait
+            assert got is not None and same(got[1], state_dict(4))
+            assert a.statistics()["via_group"] == 1
+        finally:
+            await a.aclose()
+            await pub.aclose()
+
+
+async def test_a_receiver_sigkilled_mid_transfer_fails_that_transfer_and_the_rest_go_on(
+    bus,
+) -> None:
+    """200 MB to two receivers; one (its own process) is SIGKILLed mid-transfer: the publish
+    returns within the stall timeout, the other receiver gets the version, the next version
+    goes over a group without the dead one, and a restarted receiver catches up."""
+    big = PlaneOptions(bucket_bytes=16 << 20, timeout=20.0, stall_timeout=2.0, lease=2.0)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    async def spawn(member: str) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tests.bus.weight_plane_peer",
+            bus,
+            member,
+            str(big.lease),
+            "group",
+            "sum",
+            cwd=ROOT,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+        )
+
+    victim = await spawn("victim")
+    async with (
+        await BusClient.connect(bus) as trainer_bus,
+        await BusClient.connect(bus) as bus_a,
+    ):
+        pub = WeightPublisher(trainer_bus, big)
+        a = WeightSubscriber(bus_a, "a", big)
+        try:
+            wait = asyncio.create_task(a.next(-1, wait=120))
+            await wait_until(
+                lambda: _members_are(trainer_bus, ["a", "victim"]), timeout=60, what="both"
+            )
+            state = state_dict(5, mb=200)
+            publishing = asyncio.create_task(pub.publish(1, state))
+            line = await asyncio.wait_for(victim.stdout.readline(), 120)  # type: ignore[union-attr]
+            assert line.startswith(b"bucket 1"), line  # it holds one bucket of 13
+            victim.send_signal(signal.SIGKILL)
+            started = asyncio.get_running_loop().time()
+            assert await publishing == 0  # not over the group: it broke
+            assert asyncio.get_running_loop().time() - started < big.timeout
+            assert pub.statistics()["group_failures"] == 1
+            got = await wait
+            assert got is not None and got[0] == 1 and same(got[1], state)
+            await victim.wait()
+
+            # The dead one's lease runs out: the next group is a and a restarted receiver.
+            restarted = await spawn("victim-2")
+            line = await asyncio.wait_for(restarted.stdout.readline(), 120)  # type: ignore[union-attr]
+            assert json.loads(line)["version"] == 1  # caught up from the bus first
+            wait = asyncio.create_task(a.next(1, wait=120))
+            await wait_until(
+                lambda: _members_are(trainer_bus, ["a", "victim-2"]), timeout=60, what="rejoin"
+            )
+            second = state_dict(6)
+            assert await pub.publish(2, second) == 2
+            got = await wait
+            assert got is not None and same(got[1], second)
+            while not (line := await restarted.stdout.readline()).startswith(b"{"):  # type: ignore[union-attr]
+                pass
+            got_line = json.loads(line)
+            assert got_line["version"] == 2
+            assert got_line["sum"] == float(sum(t.double().sum() for t in second.values()))
+            restarted.kill()
+            await restarted.wait()
+        finally:
+            await a.aclose()
+            await pub.aclose()

@@ -1,0 +1,56 @@
+"""A weight plane receiver in its own process (for SIGKILLs mid-transfer).
+
+``python -m tests.bus.weight_plane_peer BUS_URL MEMBER LEASE [group|bus] [sum]``: receives
+versions until killed, over the weight plane (``group``, the default) or by polling the bus
+(``bus``); prints ``bucket i`` after each bucket it receives over the group and one JSON line
+per version it switched to: ``{"version": v, "t": time.monotonic()}``, with ``"sum"`` (of
+every element) when asked. ``bench/weights.py`` times publishes with it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+from relax.bus import BusClient
+from relax.bus._plane import PlaneOptions, WeightSubscriber
+from relax.log import configure_logging
+from relax.transport import Limits
+from relax.transport._group import TensorGroup
+
+_original = TensorGroup.broadcast_bucket
+
+
+async def _announcing(self, tensors, **kwargs):  # type: ignore[no-untyped-def]
+    out = await _original(self, tensors, **kwargs)
+    print(f"bucket {self.statistics()['operations']}", flush=True)
+    return out
+
+
+async def main(url: str, member: str, lease: float, mode: str, with_sum: bool) -> None:
+    configure_logging(level="error")  # stdout carries only the lines above
+    TensorGroup.broadcast_bucket = _announcing  # type: ignore[method-assign]
+    limits = Limits(frame_bytes=8 << 20, max_message_bytes=1 << 30)
+    async with await BusClient.connect(url, limits=limits) as bus:
+        sub = WeightSubscriber(bus, member, PlaneOptions(lease=lease, stall_timeout=2.0))
+        version = -1
+        while True:
+            if mode == "group":
+                got = await sub.next(version, wait=60)
+            else:
+                got = await bus.poll_weights(version, wait=60)
+            if got is None:
+                continue
+            version = got[0]
+            line: dict[str, float] = {"version": version, "t": time.monotonic()}
+            if with_sum:
+                line["sum"] = float(sum(t.double().sum() for t in got[1].values()))
+            print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    mode = args[3] if len(args) > 3 else "group"
+    asyncio.run(main(args[0], args[1], float(args[2]), mode, "sum" in args[4:]))
