@@ -11,6 +11,8 @@ someone who can read the run folder can steer the run). Requests are plain dicts
 - ``{"op": "restart", "child": ID}`` → restart one child in place;
 - ``{"op": "pause"}`` / ``{"op": "resume"}`` → stop / restart generation (every rollout); the
   state is kept in ``RUN_DIR/paused``, so a rollout restarted meanwhile comes back in it;
+- ``{"op": "set", "key": "staleness", "value": K}`` → change the staleness bound of the
+  running cluster (``k`` or ``"inf"``) at the next admission (``relax set staleness K``);
 - ``{"op": "stop"}`` → stop the tree in reverse start order (the trainer checkpoints first).
 
 Nothing here is specific to the TUI: scripts get the same data from ``relax status --json``.
@@ -118,12 +120,26 @@ class ControlServer:
             for rollout in self.rollouts:
                 await self.tree.ref(rollout).call(op, timeout=30)
             return {"paused": self.paused}
+        if op == "set":
+            return await self._set(str(payload.get("key")), payload.get("value"))
         if op == "stop":
             self.stop_requested.set()
             return {"stopping": True}
         raise ValueError(
-            f"unknown control op {op!r}; expected status, restart, pause, resume, stop"
+            f"unknown control op {op!r}; expected status, restart, pause, resume, set, stop"
         )
+
+    async def _set(self, key: str, value: Any) -> dict[str, Any]:
+        """A live knob of the running cluster (only ``staleness`` so far)."""
+        if key != "staleness":
+            raise ValueError(f"unknown setting {key!r}; what can be set live: staleness")
+        from relax.schema import Staleness
+
+        bound = Staleness.parse(value)  # ValueError with the config's wording
+        samples = await self._bus("samples")
+        before = (await samples.statistics()).get("staleness")
+        now = await samples.set_staleness(bound.wire)
+        return {"staleness": now, "before": before}
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[ControlServer]:

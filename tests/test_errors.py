@@ -75,6 +75,7 @@ SAMPLES: dict[str, Callable[[], RelaxError]] = {
     "ColumnConflict": lambda: errors.ColumnConflict("row 'u': column 'reward' was written"),
     "LogCorrupt": lambda: errors.LogCorrupt("checksum mismatch", path="bus/0.seg", offset=4096),
     "UploadLost": lambda: errors.UploadLost("no open upload of weight version 4"),
+    "WeightsCorrupt": lambda: errors.WeightsCorrupt("weight version 4: buckets [1] do not match"),
     "BadRow": lambda: errors.BadRow("p/0", "group_size", "must be a positive integer"),
     "BadColumn": lambda: errors.BadColumn("p/0", "reward", "is not finite (nan)"),
     "EngineError": lambda: errors.EngineError("top_k must be positive"),

@@ -48,6 +48,8 @@ class Batch:
     """Set once the rows were acked together with a weights commit (nothing left to ack)."""
     skipped_step: bool = False
     """Set by a trainer that consumed these rows in a skipped step (see ``BusTable.ack``)."""
+    staleness: Any = None
+    """The staleness bound in force when these rows were taken (``k`` or ``"inf"``)."""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -175,7 +177,9 @@ class BusClient:
         )
         if reply is None:
             return Batch(task)
-        return Batch(task, reply["lease"], reply["trainer_version"], reply["rows"])
+        batch = Batch(task, reply["lease"], reply["trainer_version"], reply["rows"])
+        batch.staleness = reply.get("staleness")
+        return batch
 
     @contextlib.asynccontextmanager
     async def take(self, task: str, **kwargs: Any) -> AsyncIterator[Batch]:
@@ -217,6 +221,14 @@ class BusClient:
 
     async def set_trainer_version(self, version: int) -> int:
         return await self._call({"op": "version", "version": version})
+
+    async def set_staleness(self, staleness: int | str | float) -> int | str:
+        """Change the staleness bound of the running bus (``k``, or ``"inf"``); returns the
+        bound now in force. Logged (a restarted bus keeps it); admissions follow it at once,
+        and rows queued for the trainer that it makes too stale are dropped as ``"stale"``."""
+        from relax.schema import Staleness
+
+        return await self._call({"op": "staleness", "staleness": Staleness.parse(staleness).wire})
 
     async def statistics(self) -> BusStatistics:
         return await self._call({"op": "stats"})
@@ -324,7 +336,9 @@ class BusClient:
             state: dict[str, Any] = {}
             try:
                 for index in range(total):
-                    if meta.get("via") == "group":
+                    # A weight plane version (``store``) is served by the bus like any other;
+                    # only a legacy group publish must be received over its group.
+                    if meta.get("via") == "group" and not meta.get("store"):
                         if group is None:
                             raise BusError("these weights travel over a tensor group: pass group=")
                         layout = meta["layout"][index]

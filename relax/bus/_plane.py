@@ -94,7 +94,7 @@ def plane_host(bus_url: str) -> str:
     is local (``inproc://``, ``ipc://``, a loopback ``tcp://``)."""
     from urllib.parse import urlsplit
 
-    from relax.transport._rendezvous import local_address_towards
+    from relax.transport import local_address_towards
 
     parts = urlsplit(bus_url)
     if parts.scheme != "tcp" or not parts.hostname:
@@ -224,7 +224,7 @@ class WeightPublisher:
     async def aclose(self) -> None:
         await self._close_group()
         if self._port is not None:
-            from relax.transport._rendezvous import release_named_store
+            from relax.transport import release_named_store
 
             release_named_store(self._opts.host, self._port)
             self._port = None
@@ -233,7 +233,7 @@ class WeightPublisher:
 
     def _group_info(self) -> dict[str, Any]:
         if self._port is None:
-            from relax.transport._rendezvous import reserve_named_store
+            from relax.transport import reserve_named_store
 
             limit = datetime.timedelta(seconds=self._opts.timeout)
             self._port = reserve_named_store(self._opts.host, limit)

@@ -265,6 +265,7 @@ class BusService(Actor):
             "task": lease.task,
             "trainer_version": self.table.version,
             "rows": rows,
+            "staleness": self.table.staleness.wire,
         }
 
     async def _op_ack(self, req: dict[str, Any], peer: Peer) -> int:
@@ -301,6 +302,17 @@ class BusService(Actor):
         if ops:
             await self._commit(ops)
         return verdict
+
+    async def _op_staleness(self, req: dict[str, Any], peer: Peer) -> StalenessWire:
+        """Change the staleness bound (``relax set staleness``): logged, in force from the
+        next admission; rows queued for the trainer that it makes too stale are dropped."""
+        before = self.table.staleness.wire
+        await self._commit(self.table.set_staleness(req["staleness"]))
+        if self.table.staleness.wire != before:
+            self.log.warning("staleness changed", before=before, after=self.table.staleness.wire)
+        async with self.changed:  # waiting admissions decide again under the new bound
+            self.changed.notify_all()
+        return self.table.staleness.wire
 
     async def _op_version(self, req: dict[str, Any], peer: Peer) -> int:
         await self._commit(self.table.set_version(int(req["version"])))

@@ -33,9 +33,7 @@ from typing import Any
 from relax.bus._columns import check_columns, check_rows
 from relax.bus._table_state import Item, Lease, Row, TableState, plain_value
 from relax.errors import BadRow, BusError, ColumnConflict, UnknownTask  # re-exported here
-from relax.schema import (
-    Op,
-)
+from relax.schema import Op, Staleness
 from relax.transport import RawTensor
 
 
@@ -341,22 +339,42 @@ class BusTable(TableState):
         }
         return self._apply_all([op]), "ok"
 
+    def set_staleness(self, staleness: Any) -> list[Op]:
+        """Change the staleness bound of a running cluster: from the next admission on, and
+        rows already queued for the trainer that the new bound makes too stale are dropped
+        (``"stale"``: the dataset's accounting sees them, the trainer never trains them)."""
+        bound = Staleness.parse(staleness)
+        if bound == self.staleness:
+            return []
+        ops: list[Op] = [{"op": "staleness", "staleness": bound.wire}]
+        self._apply(ops[0])
+        return ops + self._drop_stale()
+
     def set_version(self, version: int) -> list[Op]:
         """The trainer moved to ``version``; rows that can never be trained are dropped."""
         if version <= self.version:
             return []
         ops: list[Op] = [{"op": "version", "version": version}]
         self._apply(ops[0])
+        return ops + self._drop_stale()
+
+    def _stale_rows(self) -> list[Row]:
+        """The rows waiting for the trainer below the oldest version it may still take."""
         floor = self.min_version()
-        stale = [
+        return [
             r
             for r in self.rows.values()
             if r.version < floor and r.progress[self.trainer_task][0] == "pending"
         ]
-        if stale:
-            ops.append(self._drop_op(stale, "stale"))
-            self._apply(ops[-1])
-        return ops
+
+    def _drop_stale(self) -> list[Op]:
+        """Drop the rows ``_stale_rows`` finds (one drop op), if any."""
+        stale = self._stale_rows()
+        if not stale:
+            return []
+        op = self._drop_op(stale, "stale")
+        self._apply(op)
+        return [op]
 
     def commit_weights(
         self,
@@ -397,12 +415,7 @@ class BusTable(TableState):
             "drop": None,
         }
         self._apply(op)
-        floor = self.min_version()
-        stale = [
-            r
-            for r in self.rows.values()
-            if r.version < floor and r.progress[self.trainer_task][0] == "pending"
-        ]
+        stale = self._stale_rows()
         if stale and set_trainer_version:
             op["drop"] = self._drop_op(stale, "stale")
             self._apply(op["drop"])  # logged inside the commit: replayed in the same order

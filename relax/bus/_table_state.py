@@ -31,6 +31,7 @@ from relax.schema import (
     PutOp,
     ReleaseOp,
     Staleness,
+    StalenessOp,
     StateOp,
     TaskCounts,
     UnadmitOp,
@@ -248,7 +249,12 @@ class TableState:
             self.version = max(self.version, op["version"])
         self.counters["weight_commits"] += 1
 
+    def _apply_staleness(self, op: StalenessOp) -> None:
+        self.staleness = Staleness.parse(op["staleness"])
+
     def _apply_state(self, op: StateOp) -> None:
+        if "staleness" in op:  # changed while running: the compacted log keeps the change
+            self.staleness = Staleness.parse(op["staleness"])
         self.version = max(self.version, op["version"])
         self.weights_version = max(self.weights_version, op.get("weights_version", -1))
         self.publishes.update({int(v): p for v, p in op.get("publishes", ())})
@@ -276,6 +282,7 @@ class TableState:
         "count": _apply_count,
         "commit": _apply_commit,
         "state": _apply_state,
+        "staleness": _apply_staleness,
     }
     """How each kind of op (``relax.schema.OpKind``) changes the table: the one place an op
     is applied, live or replayed from the log."""
@@ -365,6 +372,7 @@ class TableState:
         """A snapshot of everything but the rows themselves (rows keep their put records)."""
         return {
             "op": "state",
+            "staleness": self.staleness.wire,
             "version": self.version,
             "weights_version": self.weights_version,
             "publishes": [[v, p] for v, p in sorted(self.publishes.items())],

@@ -119,6 +119,13 @@ def _checkpoint_name(version: int) -> str:
     return f"step-{version:08d}"
 
 
+def lag_histogram(trainer_version: int, versions: list[int]) -> dict[str, int]:
+    """Rows per lag (the trainer's version at the take minus the row's), keys as strings
+    (JSON object keys), in ascending lag."""
+    lags = sorted(trainer_version - v for v in versions)
+    return {str(lag): lags.count(lag) for lag in dict.fromkeys(lags)}
+
+
 class TrainerRole(LearnerRole):
     METRICS_FILE = "metrics.jsonl"
 
@@ -339,6 +346,10 @@ class TrainerRole(LearnerRole):
                 "newest_row_version": max(versions),
                 # How far behind the trainer the stalest row of this batch was.
                 "staleness_max": batch.trainer_version - min(versions),
+                # The bound in force at the take (it can change live: `relax set staleness`),
+                # and how many rows were how many versions behind ("lag": count).
+                "staleness_bound": batch.staleness,
+                "lag_hist": lag_histogram(batch.trainer_version, versions),
                 "wall_s": time.monotonic() - started,
                 "time": time.time(),  # when the step ended (Unix seconds), for rates and plots
                 **episode_metrics(batch.rows),

@@ -10,7 +10,9 @@ table from ``OpKind`` to handler.
 from __future__ import annotations
 
 import typing
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
+
+from relax.schema._staleness import StalenessWire
 
 # ---------------------------------------------------------------------------- rows
 
@@ -48,6 +50,8 @@ class TakeReply(TypedDict):
     task: str
     trainer_version: int
     rows: list[TakenRow]
+    staleness: NotRequired[StalenessWire]
+    """The bound in force when the rows were taken (the trainer's task only)."""
 
 
 # ---------------------------------------------------------------------------- operations
@@ -66,6 +70,7 @@ OpKind = Literal[
     "count",
     "commit",
     "state",
+    "staleness",
 ]
 OP_KINDS: tuple[str, ...] = typing.get_args(OpKind)
 """Every kind of op the bus table applies (and its log holds)."""
@@ -139,6 +144,13 @@ class VersionOp(TypedDict):
     version: int
 
 
+class StalenessOp(TypedDict):
+    """The staleness bound changed in a running cluster (``relax set staleness``)."""
+
+    op: Literal["staleness"]
+    staleness: StalenessWire
+
+
 class CountOp(TypedDict):
     op: Literal["count"]
     name: str
@@ -163,6 +175,8 @@ class StateOp(TypedDict):
     """A compaction snapshot of everything but the rows themselves."""
 
     op: Literal["state"]
+    staleness: NotRequired[StalenessWire]
+    """The bound in force (logs from before live changes have none: the configured one)."""
     version: int
     weights_version: int
     publishes: list[list[Any]]
@@ -188,5 +202,6 @@ Op = (
     | CountOp
     | CommitOp
     | StateOp
+    | StalenessOp
 )
 """One change to the bus table, as applied and logged."""

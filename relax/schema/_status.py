@@ -123,6 +123,10 @@ class MetricRecord(TypedDict, total=False):
     newest_row_version: int
     staleness_max: int
     """How far behind the trainer the stalest row of the batch was."""
+    staleness_bound: int | str | None
+    """The staleness bound in force when the batch was taken (``relax set staleness``)."""
+    lag_hist: dict[str, int]
+    """Rows of the batch per lag (versions behind the trainer), keys as strings."""
     wall_s: float
     time: float
     """When the step ended (Unix seconds)."""

@@ -5,6 +5,11 @@ and the default torch.distributed world a gang shares (:func:`init_world`, with
 :func:`broadcast_bytes` and :func:`all_gather_bytes` over it).
 """
 
+from relax.transport._rendezvous import (
+    local_address_towards,
+    release_named_store,
+    reserve_named_store,
+)
 from relax.transport._rpc import connect, serve
 from relax.transport._rpc_base import Client, Handler, Limits, Peer, Server
 from relax.transport._wire import RawTensor, dumps, dumps_parts, loads
@@ -24,7 +29,10 @@ __all__ = [
     "dumps_parts",
     "init_world",
     "loads",
+    "local_address_towards",
     "open_group",
+    "release_named_store",
+    "reserve_named_store",
     "serve",
 ]
 

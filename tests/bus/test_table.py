@@ -124,6 +124,31 @@ def test_trainer_never_receives_stale_rows() -> None:
     assert lease is not None and sorted(lease.items) == ["new-0", "new-1"]
 
 
+def test_a_live_staleness_change_admits_and_drops_by_the_new_bound_and_replays() -> None:
+    t = table(tasks=("train",), staleness=2, batch_size=2, capacity=100)
+    t.put(rows("v0", 2, version=0))
+    t.put(rows("v2", 2, version=2))
+    t.set_version(2)  # floor 0 under staleness 2: both groups may still be trained
+    assert t.counters["dropped_stale"] == 0
+    ops = t.set_staleness(0)  # floor 2: the version-0 rows are now too stale, dropped
+    assert ops[0] == {"op": "staleness", "staleness": 0} and t.staleness == 0
+    assert t.counters["dropped_stale"] == 2 and sorted(t.rows) == ["v2-0", "v2-1"]
+    assert t.admit("old", 1, version=1, now=0, timeout=60)[1] == "behind"
+    assert t.set_staleness(0) == []  # no change, nothing logged
+    assert t.set_staleness("inf")[0] == {"op": "staleness", "staleness": "inf"}
+    assert t.admit("old", 1, version=1, now=0, timeout=60)[1] == "ok"
+    with pytest.raises(ValueError, match="staleness"):
+        t.set_staleness(-1)
+    # A restarted bus replays the change from its log, or from a compaction snapshot.
+    replayed = table(tasks=("train",), staleness=2, batch_size=2, capacity=100)
+    for op in [*ops, {"op": "staleness", "staleness": "inf"}]:
+        replayed.apply(op)
+    assert replayed.staleness == "inf"
+    restored = table(tasks=("train",), staleness=2, batch_size=2, capacity=100)
+    restored.apply(t.state_op())
+    assert restored.staleness == "inf"
+
+
 def test_dropping_a_row_drops_its_group_and_its_latecomers() -> None:
     t = table(tasks=("train",))
     t.put(rows("g", 3)[:2])

@@ -54,12 +54,20 @@ def audit(run_dir: Path, snap: dict, restarted: dict[str, int], steps: int = STE
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "point", ["before_upload", "mid_upload", "after_weights_file", "after_commit_record"]
+    ("transport", "point"),
+    [
+        # The weight plane: the trainer writes the bytes itself, the bus is never mid-upload.
+        *(("group", p) for p in ("before_upload", "after_weights_file", "after_commit_record")),
+        *(("bus", p) for p in ("before_upload", "mid_upload", "after_weights_file")),
+        ("bus", "after_commit_record"),
+    ],
 )
-async def test_samples_bus_killed_inside_the_weights_commit(tmp_path, monkeypatch, point) -> None:
+async def test_samples_bus_killed_inside_the_weights_commit(
+    tmp_path, monkeypatch, transport, point
+) -> None:
     # In the commit of step 3 (its rows acked with it); the bus processes inherit it.
     monkeypatch.setenv(KILL_AT_ENV, f"{point}@3")
-    cfg = load_config(RECIPE, overrides=OVERRIDES)
+    cfg = load_config(RECIPE, overrides=[*OVERRIDES, f'weights.transport="{transport}"'])
     assert (cfg.supervisor.intensity, cfg.supervisor.period) == (1, 5.0)  # the defaults
     layout = cluster.prepare(cfg, tmp_path / "run")
     async with cluster.build_tree(cfg, layout) as tree:
