@@ -78,8 +78,10 @@ class PlaneOptions:
     host: str = "127.0.0.1"
     """Where the publisher's group store listens: an address every receiver reaches."""
     bucket_bytes: int = 64 << 20
+    join_timeout: float = 10.0
+    """Seconds every receiver has to join a newly formed group."""
     timeout: float = 30.0
-    """Seconds a group may take to form, and a bucket to start moving."""
+    """Seconds a bucket may take to start moving on every receiver."""
     stall_timeout: float = 5.0
     """Seconds a moving bucket may make no progress before its peer counts as gone."""
     lease: float = 10.0
@@ -107,6 +109,7 @@ def plane_options(weights: Any, bus_url: str) -> PlaneOptions:
     return PlaneOptions(
         host=plane_host(bus_url),
         bucket_bytes=int(weights.bucket_mb) << 20,
+        join_timeout=float(weights.join_timeout),
         timeout=float(weights.timeout),
         stall_timeout=float(weights.stall_timeout),
         lease=float(weights.lease),
@@ -252,12 +255,13 @@ class WeightPublisher:
                     self._group_info()["url"],
                     rank=0,
                     world_size=len(self._members) + 1,
-                    timeout=self._opts.timeout,
+                    timeout=self._opts.join_timeout,
                     stall_timeout=self._opts.stall_timeout,
                     device=self._opts.device,
                 )
             for bucket in buckets:
-                await self._group.broadcast_bucket(list(bucket.values()), src=0)
+                tensors = list(bucket.values())
+                await self._group.broadcast_bucket(tensors, src=0, timeout=self._opts.timeout)
         except TransportError as exc:
             # A receiver died or hung: the others fetch this version from the bus, the group is
             # formed again (without the dead, once its lease ran out) at the next version.
@@ -403,7 +407,7 @@ class WeightSubscriber:
             corrupt: list[int] = []
             for index, layout in enumerate(meta["layout"]):
                 buffers = [torch.empty(s, dtype=getattr(torch, d)) for _, d, s in layout]
-                await self._group.broadcast_bucket(buffers, src=0)
+                await self._group.broadcast_bucket(buffers, src=0, timeout=self._opts.timeout)
                 # Every bucket is taken part in even after a bad one: the ranks stay in step.
                 if await asyncio.to_thread(bucket_digest, buffers) != int(meta["digests"][index]):
                     corrupt.append(index)
@@ -444,7 +448,7 @@ class WeightSubscriber:
             info["url"],
             rank=info["members"].index(self.member) + 1,
             world_size=len(info["members"]) + 1,
-            timeout=self._opts.timeout,
+            timeout=self._opts.join_timeout,
             stall_timeout=self._opts.stall_timeout,
             device=self._opts.device or "cpu",
         )

@@ -236,8 +236,10 @@ class WeightsConfig(ConfigModel):
     """"group": the trainer sends each version to the rollouts over a tensor group (gloo on CPU, NCCL on GPUs), bucket by bucket with a checksum each; the bus carries only the announcement and the commit, and serves the trainer's copy (written into the run folder) to rollouts that join later or whose transfer failed. "bus": every byte through the bus (slower; for a trainer that shares no file system with the bus, "group" falls back to it by itself)."""
     bucket_mb: PositiveInt = 64
     """Size, in MiB, of the buckets a version is sent in (one collective and one checksum each; the trainer's extra memory during a publish is about one bucket)."""
+    join_timeout: Seconds = 10.0
+    """Seconds every rollout has to join a newly formed group (a live one joins within a poll); one that does not (it died since its last poll) gets that version from the bus, and the next version forms the group without it."""
     timeout: Seconds = 30.0
-    """Seconds a group may take to form (every rollout joining), and a bucket to start moving; a rollout that does not make it gets that version from the bus."""
+    """Seconds a bucket may take to start moving on every rollout; one that does not make it gets that version from the bus."""
     stall_timeout: Seconds = 5.0
     """Seconds a moving bucket may make no progress before its receiver counts as gone (a rollout SIGKILLed mid-transfer); the trainer goes on, the others keep their version."""
     lease: Seconds = 10.0

@@ -1,11 +1,14 @@
-"""Producer and consumer actors for the bus fault tests (importable by child processes)."""
+"""Producer and consumer actors for the bus fault tests (importable by child processes), and
+a bus to test against (``tcp_bus``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import AsyncIterator
 
-from relax.actors import Actor
-from relax.bus import BusClient
+from relax.actors import Actor, ChildSpec, Supervisor
+from relax.bus import BusClient, BusService
 
 
 class Producer(Actor):
@@ -44,3 +47,17 @@ class Consumer(Actor):
                     stats = await bus.statistics()
                     if stats["counters"].get("trained", 0) >= self.total:
                         return
+
+
+@contextlib.asynccontextmanager
+async def tcp_bus(run_dir: str) -> AsyncIterator[str]:
+    """A persisted bus on loopback TCP in its own supervised process, up to 1 GiB a message
+    (whole weight buckets); yields its address."""
+    kwargs = {
+        "url": "tcp://127.0.0.1:0",
+        "run_dir": run_dir,
+        "staleness": "inf",
+        "max_message_bytes": 1 << 30,
+    }
+    async with Supervisor([ChildSpec("bus", BusService, kwargs=kwargs)]) as sup:
+        yield await sup.ref("bus").call("address")

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.actors import ChildSpec, Supervisor
-from relax.bus import BusClient, BusService
+from relax.bus import BusClient
 from relax.bus._plane import PlaneOptions, WeightPublisher, WeightSubscriber, bucket_digest
+from tests.bus.fixtures import tcp_bus
 from tests.polling import wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -37,18 +37,12 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 @pytest.fixture
 async def bus(tmp_path):
-    kwargs = {
-        "url": "tcp://127.0.0.1:0",
-        "run_dir": str(tmp_path),
-        "staleness": "inf",
-        "max_message_bytes": 1 << 30,
-    }
-    async with Supervisor([ChildSpec("bus", BusService, kwargs=kwargs)]) as sup:
-        yield await sup.ref("bus").call("address")
+    async with tcp_bus(str(tmp_path)) as url:
+        yield url
 
 
-async def members(client: BusClient) -> list[str]:
-    return list(await client._call({"op": "w_members", "lease": FAST.lease}))
+async def members(client: BusClient, lease: float = FAST.lease) -> list[str]:
+    return list(await client._call({"op": "w_members", "lease": lease}))
 
 
 def test_the_digest_sees_a_flipped_byte_and_swapped_tensors() -> None:
@@ -118,8 +112,8 @@ def pub_layout(state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     return _buckets(state, FAST.bucket_bytes)
 
 
-async def _members_are(client: BusClient, expected: list[str]) -> bool:
-    return await members(client) == expected
+async def _members_are(client: BusClient, expected: list[str], lease: float = FAST.lease) -> bool:
+    return await members(client, lease) == expected
 
 
 async def test_a_corrupted_bucket_is_detected_and_the_version_comes_from_the_bus(bus) -> None:
@@ -234,6 +228,49 @@ async def test_a_receiver_sigkilled_mid_transfer_fails_that_transfer_and_the_res
             assert got_line["sum"] == float(sum(t.double().sum() for t in second.values()))
             restarted.kill()
             await restarted.wait()
+        finally:
+            await a.aclose()
+            await pub.aclose()
+
+
+async def test_a_receiver_that_died_idle_costs_one_join_timeout_and_is_left_out_after(
+    bus,
+) -> None:
+    """SIGKILLed between versions, inside its lease: the next group waits for it only
+    ``join_timeout``, that version reaches the live receiver from the bus, and the version
+    after forms the group without the dead one."""
+    opts = PlaneOptions(
+        bucket_bytes=1 << 20, join_timeout=2.0, timeout=20.0, stall_timeout=2.0, lease=30.0
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = ["-m", "tests.bus.weight_plane_peer", bus, "idle", str(opts.lease), "group"]
+    victim = await asyncio.create_subprocess_exec(
+        sys.executable, *args, cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE
+    )
+    async with (
+        await BusClient.connect(bus) as trainer_bus,
+        await BusClient.connect(bus) as bus_a,
+    ):
+        pub = WeightPublisher(trainer_bus, opts)
+        a = WeightSubscriber(bus_a, "a", opts)
+        try:
+            wait = asyncio.create_task(a.next(-1, wait=60))
+            await wait_until(
+                lambda: _members_are(trainer_bus, ["a", "idle"], opts.lease), what="both"
+            )
+            victim.send_signal(signal.SIGKILL)  # idle: no transfer in flight
+            await victim.wait()
+            started = asyncio.get_running_loop().time()
+            assert await pub.publish(1, state_dict(7)) == 0  # its lease (30 s) still runs
+            assert asyncio.get_running_loop().time() - started < opts.join_timeout + 3
+            got = await wait
+            assert got is not None and same(got[1], state_dict(7))
+            assert a.statistics()["via_bus"] == 1
+            wait = asyncio.create_task(a.next(1, wait=60))
+            assert await pub.publish(2, state_dict(8)) == 1  # a group of the live one only
+            got = await wait
+            assert got is not None and same(got[1], state_dict(8))
+            assert pub.statistics()["members"] == ["a"]
         finally:
             await a.aclose()
             await pub.aclose()

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.actors import ChildSpec, Supervisor
-from relax.bus import BusClient, BusService
+from relax.bus import BusClient
+from tests.bus.fixtures import tcp_bus
 from tests.bus.weights_peer import digest
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -55,14 +55,8 @@ def free_port() -> int:
 
 @pytest.fixture
 async def bus(tmp_path):
-    kwargs = {
-        "url": "tcp://127.0.0.1:0",
-        "run_dir": str(tmp_path),
-        "staleness": "inf",
-        "max_message_bytes": 1 << 30,
-    }
-    async with Supervisor([ChildSpec("bus", BusService, kwargs=kwargs)]) as sup:
-        yield await sup.ref("bus").call("address")
+    async with tcp_bus(str(tmp_path)) as url:
+        yield url
 
 
 async def test_50mb_over_tcp_arrives_bit_identical(bus) -> None:
