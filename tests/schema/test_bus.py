@@ -38,6 +38,7 @@ def test_each_kind_of_op_applies_through_the_table() -> None:
         {"op": "admit", "group": "h", "rows": 1, "version": 1, "deadline": 10.0},
         {"op": "unadmit", "group": "h"},
         {"op": "drop", "uids": ["g/1"], "groups": ["g"], "reason": "stale"},
+        {"op": "staleness", "staleness": 2},
         {"op": "commit", "version": 3, "publish": "p", "set_version": True, "task": None,
          "items": [], "ignored": 1, "drop": None},
     ]  # fmt: skip
@@ -46,6 +47,7 @@ def test_each_kind_of_op_applies_through_the_table() -> None:
         table.apply(op, seq)
     assert table.rows == {} and table.leases == {} and table.admissions == {}
     assert table.version == 3 and table.weights_version == 3 and table.publishes == {3: "p"}
+    assert table.staleness == 2  # changed live (`relax set staleness`)
     counters = table.counters
     assert counters["put"] == 2 and counters["trained"] == 1 and counters["dropped_stale"] == 1
     assert counters["released"] == 1 and counters["expired_admissions"] == 1
@@ -54,6 +56,7 @@ def test_each_kind_of_op_applies_through_the_table() -> None:
     replica = BusTable(tasks=("train",), staleness=1, batch_size=2, capacity=8)
     replica.apply(table.state_op(), len(ops))
     assert replica.statistics() == table.statistics()
+    assert replica.staleness == 2
 
 
 def test_an_unknown_op_is_refused() -> None:
