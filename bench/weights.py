@@ -5,9 +5,13 @@ receiver processes (``tests/bus/weight_plane_peer.py``: a rollout's weight follo
 engine). The publisher (this process, the trainer's side) publishes a ~50 MB and a ~1 GB state
 dict of float32 tensors:
 
-- ``group``: the weight plane (``[weights] transport = "group"``): the version is announced on
-  the bus, the bytes go over a gloo group with a checksum per bucket, the trainer writes the
-  durable copy into the bus's folder itself, the receivers switch on the commit;
+- ``group``: the weight plane (``[weights] transport = "group"``) as it runs on one CPU
+  machine by default (``local_file = "auto"``): the trainer writes each version into the
+  bus's folder itself, the bus announces and commits it, and the receivers, which can read
+  that folder, read it there, every bucket checked against the trainer's checksum (after
+  their first version, which reaches them over the group);
+- ``gloo``: the weight plane with ``local_file = "off"``: the bytes go over a gloo group with a
+  checksum per bucket (what receivers on other machines get; NCCL on GPUs);
 - ``bus``: every byte through the bus's RPC (``transport = "bus"``).
 
 A publish is timed from its start until the last receiver switched to it (the receivers print
@@ -17,8 +21,8 @@ group is not what a steady publish costs). Also measured: the publisher's peak e
 memory during the 1 GB group publish (sampled every 2 ms), against the bucket size.
 
 Run: ``python bench/weights.py [--rounds 1] [--bucket-mb 64]``. The last lines are
-machine-readable, one ``name = value`` each, ending with ``weights_group_vs_memcpy_1GB`` and
-``weights_bus_vs_memcpy_1GB``.
+machine-readable, one ``name = value`` each, ending with ``weights_gloo_vs_memcpy_1GB``,
+``weights_group_vs_memcpy_1GB`` and ``weights_bus_vs_memcpy_1GB`` (to two receivers).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from relax.transport import Limits  # noqa: E402
 
 LIMITS = Limits(frame_bytes=8 << 20, max_message_bytes=1 << 30)
 SIZES = {"50MB": 50 << 20, "1GB": 1 << 30}
+MODES = ("group", "gloo", "bus")
+PEER_MODE = {"group": "file", "gloo": "group", "bus": "bus"}  # weight_plane_peer's modes
 LEASE = 3.0
 
 
@@ -117,7 +123,7 @@ class Receivers:
                     self.url,
                     f"{self.tag}-{i}",
                     str(LEASE),
-                    self.mode,
+                    PEER_MODE[self.mode],
                     cwd=ROOT,
                     env=env,
                     stdout=asyncio.subprocess.PIPE,
@@ -154,13 +160,15 @@ async def measure(
     """Seconds per size for one (mode, receivers); and the group's peak extra memory."""
     out: dict[str, float] = {}
     extra = 0
-    options = PlaneOptions(bucket_bytes=bucket_mb << 20, timeout=120.0, lease=LEASE)
+    options = PlaneOptions(
+        bucket_bytes=bucket_mb << 20, timeout=120.0, lease=LEASE, local_file=mode == "group"
+    )
     async with (
         await BusClient.connect(url, limits=LIMITS) as bus,
         Receivers(url, receivers, mode, f"{mode}{receivers}-{first}") as peers,
     ):
         publisher = WeightPublisher(bus, options)
-        if mode == "group":
+        if mode != "bus":
             deadline = time.monotonic() + 120
             want = [f"{peers.tag}-{i}" for i in range(receivers)]
             # Exactly these: the last measurement's receivers must have left (their lease).
@@ -172,25 +180,30 @@ async def measure(
             # A first small version: forming the group (and the receivers' first fetch) is
             # not what a steady publish costs.
             warm = {"w": torch.zeros(1024)}
-            if mode == "group":
+            if mode != "bus":
                 await publisher.publish(first, warm)
             else:
                 await bus.publish_weights(first, warm)
             await peers.switched(first)
+            if mode == "group":  # they checked the file after that first version: off the group
+                while await members(bus):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("receivers did not leave the group for the file")
+                    await asyncio.sleep(0.05)
             version = first + 1
             for name, state in states.items():
                 with PeakRss() as rss:
                     start = time.monotonic()
-                    if mode == "group":
+                    if mode != "bus":
                         await publisher.publish(version, state)
                     else:
                         await bus.publish_weights(version, state, bucket_bytes=bucket_mb << 20)
                     out[name] = await peers.switched(version) - start
-                if mode == "group":
+                if mode != "bus":
                     stats = publisher.statistics()
                     out[f"{name}_transfer"] = stats["last_transfer_s"]
                     out[f"{name}_publish"] = stats["last_publish_s"]
-                if mode == "group" and name == "1GB":
+                if mode == "gloo" and name == "1GB":
                     extra = rss.extra
                 version += 1
         finally:
@@ -220,7 +233,7 @@ async def main(rounds: int, bucket_mb: int) -> None:
             for _ in range(rounds):
                 for name, n in nbytes.items():
                     results.setdefault(f"memcpy_{name}", []).append(memcpy_seconds(n))
-                for mode in ("group", "bus"):
+                for mode in MODES:
                     for receivers in (1, 2):
                         took, extra = await measure(
                             url, mode, receivers, states, bucket_mb, version
@@ -237,11 +250,11 @@ async def main(rounds: int, bucket_mb: int) -> None:
     for name, n in nbytes.items():
         memcpy = med[f"memcpy_{name}"]
         print(f"{name}: memcpy {n / memcpy / 1e9:6.2f} GB/s ({memcpy * 1e3:8.1f} ms)")
-        for mode in ("group", "bus"):
+        for mode in MODES:
             for receivers in (1, 2):
                 took = med[f"{mode}{receivers}_{name}"]
                 parts = ""
-                if mode == "group":
+                if mode != "bus":
                     transfer = med[f"{mode}{receivers}_{name}_transfer"]
                     publish = med[f"{mode}{receivers}_{name}_publish"]
                     parts = (
@@ -252,12 +265,14 @@ async def main(rounds: int, bucket_mb: int) -> None:
                     f"{n / took / 1e9:6.2f} GB/s  {memcpy / took:6.3f}x memcpy{parts}"
                 )
     extra = statistics.median(extras) if extras else 0
-    print(f"publisher peak extra memory, 1 GB over the group: {extra / 2**20:.0f} MiB")
+    print(f"publisher peak extra memory, 1 GB over the gloo group: {extra / 2**20:.0f} MiB")
     for name in SIZES:
-        for mode in ("group", "bus"):
+        for mode in MODES:
             for receivers in (1, 2):
                 ratio = med[f"memcpy_{name}"] / med[f"{mode}{receivers}_{name}"]
                 print(f"weights_{mode}_to_{receivers}_vs_memcpy_{name} = {ratio:.4f}")
+    for mode in ("gloo", "group", "bus"):  # the issue's headline figures: 1 GB to two
+        print(f"weights_{mode}_vs_memcpy_1GB = {med['memcpy_1GB'] / med[f'{mode}2_1GB']:.4f}")
     print(f"weights_publish_extra_peak_MiB_1GB = {extra / 2**20:.0f}")
     print(f"weights_group_vs_memcpy_1GB = {med['memcpy_1GB'] / med['group2_1GB']:.4f}")
     print(f"weights_bus_vs_memcpy_1GB = {med['memcpy_1GB'] / med['bus2_1GB']:.4f}")

@@ -73,7 +73,7 @@ def status(
     reward) instead of waited for. Exit status: 0 when a cluster answered, 1 when none does.
 
     Keys: r restarts the selected actor (after a y/n question), p pauses/resumes generation,
-    q quits.
+    + and - add or remove a rollout replica, s sets the staleness bound, q quits.
     """
     from relax.cli._runs import run_outcome
     from relax.control import ClusterNotRunning

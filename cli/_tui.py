@@ -9,11 +9,11 @@
     │ Buses: pending/leased/acked/lag per task │ reward sparkline, its min/max and axis│
     │   capacity use, versions in flight,      │                                       │
     │   put/trained, stale and other drops     │ loss sparkline (constants at level)   │
-    └─ footer: r restart selected (asks first) · p pause/resume · q quit ──────────────┘
+    └─ footer: r restart (asks) · p pause/resume · +/- rollouts · s staleness · q quit ┘
 
 Polling runs in a worker on the app's event loop (the control client is asynchronous), so the
-UI never waits on the cluster; operator actions (restart, pause, resume) run in workers too and
-trigger an immediate refresh. When the cluster cannot be reached the last snapshot stays on
+UI never waits on the cluster; operator actions (restart, pause, resume, a rollout replica more
+or less, a new staleness bound) run in workers too and trigger an immediate refresh. When the cluster cannot be reached the last snapshot stays on
 screen under a banner that says why, and polling goes on: a cluster that is restarting (or that
 someone brings back with ``relax up --resume``) reappears by itself.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from pathlib import Path
 from typing import Any, ClassVar
@@ -46,10 +47,10 @@ from relax.cli._status_text import (
     seconds,
     state_label,
 )
-from relax.cli._tui_widgets import AxisSparkline, Confirm
+from relax.cli._tui_widgets import AskValue, AxisSparkline, Confirm
 from relax.control import CONTROL_FILE, ClusterNotRunning, control_request
 from relax.observe import last_eval
-from relax.schema import BusStatistics, StatusSnapshot, TreeSnapshot
+from relax.schema import BusStatistics, Staleness, StatusSnapshot, TreeSnapshot
 
 STATE_STYLES = {
     "running": "bold green",
@@ -66,6 +67,7 @@ STATE_STYLES = {
 ACTOR_COLUMNS = ("actor", "state", "placement", "pids", "uptime", "restarts", "last crash")
 TASK_COLUMNS = ("bus", "task", "pending", "leased", "acked", "lag")
 SPARK_POINTS = 60
+ROLLOUT_ID = re.compile(r"^rollout-\d+$")
 """How many recent applied steps the sparklines show."""
 REWARD_RANGE = (0.0, 1.0)
 """The axis every reward sparkline includes: most rewards live in 0..1, so a constant 1.0 is
@@ -101,6 +103,9 @@ class StatusApp(App[None]):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("r", "restart", "Restart selected actor"),
         Binding("p", "toggle_pause", "Pause/resume generation"),
+        Binding("plus,equals_sign", "scale(1)", "+1 rollout"),
+        Binding("minus", "scale(-1)", "-1 rollout"),
+        Binding("s", "set_staleness", "Set staleness"),
         Binding("q", "quit", "Quit"),
     ]
 
@@ -250,6 +255,8 @@ class StatusApp(App[None]):
             return "⏸ pausing generation: waiting for the rounds in flight to be put…", "info"
         if self.op_in_flight == "resume":
             return "▶ resuming generation…", "info"
+        if self.op_in_flight == "scale":
+            return "scaling the rollouts: a removed one finishes its round first…", "info"
         if self.paused:
             return "⏸ generation is PAUSED: the trainer only eats what is left (p resumes)", "warn"
         return "", ""
@@ -337,6 +344,11 @@ class StatusApp(App[None]):
         generation = (
             Text("PAUSED", style="bold yellow") if self.paused else Text("running", style="green")
         )
+        replicas = self.rollout_replicas()
+        generation.append(f" · {replicas} rollout{'s' if replicas != 1 else ''}", style="")
+        staleness = ((snap.get("bus") or {}).get("samples") or {}).get("staleness")
+        if staleness is not None:
+            generation.append(f" · staleness {staleness}", style="")
         row("generation", generation)
         row("reward", fmt(last.get("reward_mean")) + average(recent, "reward_mean"))
         row("loss", fmt(last.get("loss")) + average(recent, "loss"))
@@ -448,6 +460,49 @@ class StatusApp(App[None]):
             return
         op = "resume" if self.paused else "pause"
         self._operate(op, {"op": op}, "generation resumed" if self.paused else "generation paused")
+
+    def rollout_replicas(self) -> int:
+        """How many rollout replicas the last status shows (0 before the first one)."""
+        children = ((self.snapshot or {}).get("tree") or {}).get("children") or []
+        return sum(1 for c in children if ROLLOUT_ID.match(str(c.get("id", ""))))
+
+    def action_scale(self, delta: int) -> None:
+        replicas = self.rollout_replicas()
+        if not replicas:
+            self.notify("no status yet: is the cluster running?", severity="warning")
+            return
+        wanted = replicas + delta
+        if wanted < 1:  # removing the last one would stop generation: that is what p is for
+            self.notify("one rollout is the fewest; p pauses generation", severity="warning")
+            return
+        self._operate(
+            "scale",
+            {"op": "scale", "role": "rollout", "replicas": wanted},
+            f"rollouts: {replicas} -> {wanted}",
+        )
+
+    def action_set_staleness(self) -> None:
+        if self.snapshot is None:
+            self.notify("no status yet: is the cluster running?", severity="warning")
+            return
+        samples = (self.snapshot.get("bus") or {}).get("samples") or {}
+        now = samples.get("staleness", "?")
+
+        def answered(value: str | None) -> None:
+            if value is None:
+                return
+            try:
+                bound = Staleness.parse(int(value) if value.isdigit() else value)
+            except ValueError as exc:
+                self.notify(f"staleness: {exc}", severity="error", timeout=10)
+                return
+            payload = {"op": "set", "key": "staleness", "value": bound.wire}
+            self._operate("set", payload, f"staleness: {now} -> {bound.wire}")
+
+        self.push_screen(
+            AskValue(f"Staleness bound (now {now}): 0, 1, 2, … or inf", placeholder="inf"),
+            answered,
+        )
 
     def _operate(self, name: str, payload: dict[str, Any], done: str) -> None:
         if self.op_in_flight is not None:

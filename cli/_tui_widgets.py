@@ -1,5 +1,5 @@
-"""Widgets of the ``relax status`` dashboard: a sparkline drawn against a fixed axis, and the
-dialog that confirms an operator action before it is sent."""
+"""Widgets of the ``relax status`` dashboard: a sparkline drawn against a fixed axis, the
+dialog that confirms an operator action before it is sent, and the one that asks for a value."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widget import Widget
-from textual.widgets import Static
+from textual.widgets import Input, Static
 
 BARS = "▁▂▃▄▅▆▇█"
 
@@ -139,3 +139,31 @@ class Confirm(ModalScreen[bool]):
 
     def action_answer(self, yes: bool) -> None:
         self.dismiss(yes)
+
+
+class AskValue(ModalScreen[str | None]):
+    """Asks for one value (a live setting): Enter sends what was typed, Escape cancels
+    (``None``)."""
+
+    DEFAULT_CSS = """
+    AskValue { align: center middle; }
+    AskValue > Vertical { width: 60; height: auto; padding: 1 2;
+                          border: thick $accent; background: $surface; }
+    """
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, question: str, placeholder: str = "") -> None:
+        super().__init__()
+        self.question, self.placeholder = question, placeholder
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Static(self.question, id="question")
+            yield Input(placeholder=self.placeholder, id="value")
+            yield Static("[b]Enter[/b] set · [b]Esc[/b] cancel", id="choices")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value.strip() or None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import socket
@@ -284,15 +285,7 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
     def role(
         child_id: str, cls: type, role_cfg: Any, *, restart: str | None = None, **kwargs: Any
     ) -> ChildSpec:
-        return ChildSpec(
-            child_id,
-            cls,
-            kwargs={**shared, **kwargs},
-            placement=_placement(role_cfg, cfg.cluster.host),
-            restart=Restart(restart or role_cfg.restart),
-            shutdown=cfg.shutdown_for(role_cfg),
-            gang=role_cfg.gang,
-        )
+        return _role_spec(cfg, child_id, cls, role_cfg, restart=restart, **shared, **kwargs)
 
     children = [
         ChildSpec("prompts", BusService, kwargs=prompts_bus, placement=in_process),
@@ -321,10 +314,7 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
         # After the trainer, so it stops before it (reverse order) — and, the buses stopping
         # last, its final evaluation in on_stop still reaches the weights channel.
         *([role("eval", EvalRole, cfg.eval, **samples_at, **run_dir)] if cfg.eval.enabled else []),
-        *(
-            role(f"rollout-{i}", RolloutRole, cfg.rollout, **prompts_at, **samples_at, **run_dir)
-            for i in range(cfg.rollout.replicas)
-        ),
+        *(rollout_spec(cfg, layout, i, plain=plain) for i in range(cfg.rollout.replicas)),
         # The user's [[actors]], last: they may talk to the roles and buses.
         *(
             ChildSpec(
@@ -351,6 +341,39 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
     )
 
 
+def _role_spec(
+    cfg: ClusterConfig, child_id: str, cls: type, role_cfg: Any, *, restart: str | None, **kwargs: Any
+) -> ChildSpec:
+    return ChildSpec(
+        child_id,
+        cls,
+        kwargs=kwargs,
+        placement=_placement(role_cfg, cfg.cluster.host),
+        restart=Restart(restart or role_cfg.restart),
+        shutdown=cfg.shutdown_for(role_cfg),
+        gang=role_cfg.gang,
+    )
+
+
+def rollout_spec(
+    cfg: ClusterConfig, layout: Layout, index: int, *, plain: dict[str, Any] | None = None
+) -> ChildSpec:
+    """Replica ``index`` of the rollout role, ``rollout-<index>``: the tree starts
+    ``rollout.replicas`` of them, ``relax scale rollout N`` adds more the same way."""
+    return _role_spec(
+        cfg,
+        f"rollout-{index}",
+        RolloutRole,
+        cfg.rollout,
+        restart=None,
+        config=plain if plain is not None else plain_config(cfg),
+        model_dir=str(layout.model_dir),
+        prompts_url=layout.prompts_url,
+        samples_url=layout.samples_url,
+        run_dir=str(layout.run_dir),
+    )
+
+
 def control_server(cfg: ClusterConfig, layout: Layout, tree: Supervisor) -> ControlServer:
     """The control endpoint of a running tree (``relax status``, ``relax down``, the TUI)."""
     return ControlServer(
@@ -360,6 +383,8 @@ def control_server(cfg: ClusterConfig, layout: Layout, tree: Supervisor) -> Cont
         bus_urls={"prompts": layout.prompts_url, "samples": layout.samples_url},
         bus_secret=resolve_secret(cfg),
         rollouts=[f"rollout-{i}" for i in range(cfg.rollout.replicas)],
+        # Resolved once: every replica added later gets the very config (and secret) of these.
+        scalable={"rollout": functools.partial(rollout_spec, cfg, layout, plain=plain_config(cfg))},
         # TCP when the cluster talks TCP or a fixed port is asked for; ipc otherwise.
         host=cfg.cluster.host if cfg.bus_transport == "tcp" or cfg.cluster.ports.control else None,
         port=cfg.cluster.ports.control,

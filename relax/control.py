@@ -13,6 +13,12 @@ someone who can read the run folder can steer the run). Requests are plain dicts
   state is kept in ``RUN_DIR/paused``, so a rollout restarted meanwhile comes back in it;
 - ``{"op": "set", "key": "staleness", "value": K}`` → change the staleness bound of the
   running cluster (``k`` or ``"inf"``) at the next admission (``relax set staleness K``);
+- ``{"op": "scale", "role": "rollout", "replicas": N}`` → add or remove rollout replicas
+  (``relax scale rollout N``): an added one starts like the others (it loads the current
+  weights before it takes a prompt); a removed one, newest first, is drained — paused, so the
+  round in flight is put and its prompts acked, within ``drain_timeout`` seconds (default 120;
+  after it the replica is stopped anyway and its leased prompts are redone when their lease
+  expires) — and then stopped and removed from the tree;
 - ``{"op": "stop"}`` → stop the tree in reverse start order (the trainer checkpoints first).
 
 Nothing here is specific to the TUI: scripts get the same data from ``relax status --json``.
@@ -24,20 +30,27 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from relax.actors import Supervisor
+from relax.actors import ChildSpec, Supervisor
 from relax.bus import BusClient
 from relax.errors import ClusterNotRunning, RelaxError
+from relax.log import get_logger
 from relax.runfiles import CONTROL_FILE, read_control, set_pause_requested
 from relax.schema import BusStatistics, MetricRecord, StatusSnapshot, TrainerInfo
 from relax.transport import Client, Peer, connect, serve
+
+log = get_logger("relax.control")
+MAX_REPLICAS = 256
+"""The most replicas ``scale`` adds a role up to: a typo (``relax scale rollout 1000``) is an
+error, not a thousand engines."""
 
 
 class ControlServer:
@@ -52,11 +65,17 @@ class ControlServer:
         bus_urls: dict[str, str],
         bus_secret: str | None,
         rollouts: list[str],
+        scalable: Mapping[str, Callable[[int], ChildSpec]] | None = None,
         host: str | None = None,
         port: int = 0,
     ) -> None:
         self.tree, self.run_dir, self.name = tree, Path(run_dir), name
-        self.bus_urls, self.bus_secret, self.rollouts = bus_urls, bus_secret, rollouts
+        self.bus_urls, self.bus_secret = bus_urls, bus_secret
+        self.rollouts = list(rollouts)
+        """The rollout replicas running now (``scale`` changes them)."""
+        self.scalable = dict(scalable or {})
+        """Roles ``scale`` can resize: the spec of replica ``i`` of each."""
+        self._scaling = asyncio.Lock()  # one resize at a time; pause/resume wait for it
         self.host = host
         self.port = port
         """TCP port to listen on with ``host`` (``cluster.ports.control``); 0 picks a free one."""
@@ -117,16 +136,23 @@ class ControlServer:
             # Recorded first: a rollout that restarts while (or after) it is told reads it.
             self.paused = op == "pause"
             set_pause_requested(self.run_dir, self.paused)
-            for rollout in self.rollouts:
-                await self.tree.ref(rollout).call(op, timeout=30)
+            async with self._scaling:
+                for rollout in self.rollouts:
+                    await self.tree.ref(rollout).call(op, timeout=30)
             return {"paused": self.paused}
         if op == "set":
             return await self._set(str(payload.get("key")), payload.get("value"))
+        if op == "scale":
+            return await self.scale(
+                str(payload.get("role")),
+                payload.get("replicas"),
+                drain_timeout=float(payload.get("drain_timeout", 120.0)),
+            )
         if op == "stop":
             self.stop_requested.set()
             return {"stopping": True}
         raise ValueError(
-            f"unknown control op {op!r}; expected status, restart, pause, resume, set, stop"
+            f"unknown control op {op!r}; expected status, restart, pause, resume, set, scale, stop"
         )
 
     async def _set(self, key: str, value: Any) -> dict[str, Any]:
@@ -140,6 +166,59 @@ class ControlServer:
         before = (await samples.statistics()).get("staleness")
         now = await samples.set_staleness(bound.wire)
         return {"staleness": now, "before": before}
+
+    async def scale(
+        self, role: str, replicas: Any, *, drain_timeout: float = 120.0
+    ) -> dict[str, Any]:
+        """Resize ``role`` (only ``rollout`` so far) to ``replicas`` running replicas: new ones
+        are started (lowest free index first), surplus ones drained and removed, newest first."""
+        if role not in self.scalable:
+            can = ", ".join(sorted(self.scalable)) or "nothing"
+            raise ValueError(f"unknown role {role!r} to scale; what can be scaled live: {can}")
+        if isinstance(replicas, bool) or not isinstance(replicas, int):
+            raise ValueError(f"replicas must be an integer, got {replicas!r}")
+        if not 1 <= replicas <= MAX_REPLICAS:
+            raise ValueError(
+                f"replicas must be between 1 and {MAX_REPLICAS}, got {replicas}"
+                " (to stop generating for a while, pause: key p in relax status)"
+            )
+        async with self._scaling:
+            before = list(self.rollouts)
+            added: list[str] = []
+            drained: dict[str, bool] = {}
+            while len(self.rollouts) < replicas:
+                taken = {int(m.group(1)) for r in self.rollouts if (m := _INDEX.search(r))}
+                index = min(set(range(len(taken) + 1)) - taken)
+                spec = self.scalable[role](index)
+                await self.tree.start_child(spec)
+                self.rollouts.append(spec.id)
+                added.append(spec.id)
+                log.info("replica added", role=role, child=spec.id, replicas=len(self.rollouts))
+            while len(self.rollouts) > replicas:
+                child = self.rollouts.pop()
+                drained[child] = await self._drain(child, drain_timeout)
+                log.info("replica removed", role=role, child=child, replicas=len(self.rollouts))
+            return {
+                "role": role,
+                "replicas": len(self.rollouts),
+                "before": len(before),
+                "added": added,
+                "removed": list(drained),
+                "drained": drained,
+            }
+
+    async def _drain(self, child: str, timeout: float) -> bool:
+        """Pause ``child`` (its round in flight is put and acked), then stop and remove it.
+        False when it did not get idle within ``timeout``: stopped anyway, its leased prompts
+        come back when their lease expires (nothing is lost either way)."""
+        try:
+            await self.tree.ref(child).call("pause", timeout=timeout)
+            idle = True
+        except RelaxError as exc:  # CallTimeout, or it died meanwhile (ActorDead)
+            log.warning("replica not drained; stopping it anyway", child=child, error=str(exc))
+            idle = False
+        await self.tree.delete_child(child)
+        return idle
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[ControlServer]:
@@ -185,6 +264,9 @@ class ControlServer:
             for bus in self._buses.values():
                 with contextlib.suppress(Exception):
                     await bus.aclose()
+
+
+_INDEX = re.compile(r"-(\d+)$")
 
 
 def read_metrics(run_dir: Path, *, last: int | None = None) -> list[MetricRecord]:

@@ -168,7 +168,9 @@ class Supervisor(Actor):
     """Start, watch and restart children. Use as ``async with Supervisor(children) as sup``."""
 
     max_concurrency = 16  # a snapshot must not wait behind a slow restart
-    private_api: ClassVar[frozenset[str]] = frozenset({"ref", "wait", "child_ids"})
+    private_api: ClassVar[frozenset[str]] = frozenset(
+        {"ref", "wait", "child_ids", "start_child", "delete_child"}
+    )
 
     def __init__(
         self,
@@ -358,7 +360,9 @@ class Supervisor(Actor):
             child.set_state("stopped" if child.state != "crashed" else "crashed", terminal=True)
 
     async def _on_exit(self, child_id: str, generation: int, exit_: Exit | None) -> bool:
-        child = self._by_id[child_id]
+        child = self._by_id.get(child_id)
+        if child is None:
+            return False  # deleted (``delete_child``) after it ended or while it waited
         if exit_ is None:  # resources may be there now for a waiting child: not a restart
             if generation == child.generation and child.state == "waiting":
                 child.waiter = None
@@ -469,6 +473,38 @@ class Supervisor(Actor):
         async with self._lock:
             await self._stop(child)
             child.set_state("stopped", terminal=True)
+
+    async def start_child(self, spec: ChildSpec) -> None:
+        """Add ``spec`` as a new last child and start it (OTP's ``start_child``): it is
+        supervised like the others from then on, and stops first (reverse start order).
+        ``ValueError`` when its id is taken; a start that fails raises ``StartFailed`` and
+        leaves nothing behind."""
+        async with self._lock:
+            if spec.id in self._by_id:
+                raise ValueError(f"supervisor {self.name!r} already has a child {spec.id!r}")
+            child = _Child(spec)
+            self._children.append(child)
+            self._by_id[spec.id] = child
+            try:
+                await self._start(child)
+            except BaseException:
+                await self._stop(child)  # a child parked waiting, or a cancelled start
+                self._children.remove(child)
+                del self._by_id[spec.id]
+                raise
+        log.info("child added", supervisor=self.name, child=spec.id)
+
+    async def delete_child(self, child_id: str) -> None:
+        """Stop a child (within its shutdown timeout) and remove it from this supervisor
+        (OTP's ``terminate_child`` then ``delete_child``): callers waiting on its refs get
+        ``ActorDead``, and its ended incarnation is no crash to restart."""
+        child = self._child(child_id)
+        async with self._lock:
+            await self._stop(child)
+            child.set_state("stopped", terminal=True)
+            self._children.remove(child)
+            del self._by_id[child_id]
+        log.info("child removed", supervisor=self.name, child=child_id)
 
     async def snapshot(self) -> dict[str, Any]:
         """The subtree as plain data: JSON- and wire-ready."""

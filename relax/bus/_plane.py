@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from relax.errors import BusError, TransportError, UploadLost, VersionGone, Weig
 from relax.log import get_logger
 
 _PUBLISH_ATTEMPTS = 20
+_PROBE_EVERY = 60.0  # seconds between a group receiver's checks whether it can read the file
 _MASK = (1 << 64) - 1
 
 
@@ -88,6 +90,18 @@ class PlaneOptions:
     """Seconds after its last poll that a receiver still counts as a member."""
     device: str | None = None
     """The group's device (``None``: CUDA when available, else CPU)."""
+    local_file: bool | None = None
+    """Receivers that can read the bus's weight file read committed versions there, verified,
+    and the group leaves them out (``None``: when the group would run on CPU)."""
+
+    def reads_local_file(self) -> bool:
+        if self.local_file is not None:
+            return self.local_file
+        if self.device is not None:
+            return not self.device.startswith("cuda")
+        import torch
+
+        return not torch.cuda.is_available()
 
 
 def plane_host(bus_url: str) -> str:
@@ -113,6 +127,7 @@ def plane_options(weights: Any, bus_url: str) -> PlaneOptions:
         timeout=float(weights.timeout),
         stall_timeout=float(weights.stall_timeout),
         lease=float(weights.lease),
+        local_file={"auto": None, "on": True, "off": False}[weights.local_file],
     )
 
 
@@ -327,8 +342,14 @@ class WeightSubscriber:
         # The newest pending publish taken part in (or given up on): (version, publish id).
         self._handled: tuple[int, str | None] = (-1, None)
         self._received: _Received | None = None
+        # Reads committed versions from the bus's own file (this machine, or a shared file
+        # system), so the group leaves it out: learnt by reading one, verified, from there.
+        self._local = False
+        self._reads_file = options.reads_local_file()
+        self._probed_at = -math.inf
         self._stats: dict[str, Any] = {
             "via_group": 0,
+            "via_file": 0,
             "via_bus": 0,
             "corrupt": 0,
             "transfer_failures": 0,
@@ -355,6 +376,7 @@ class WeightSubscriber:
                     # restarted trainer publishes that version again, under a new id.
                     "pending_after": max(after, self._handled[0] - 1),
                     "pending_skip": self._handled[1],
+                    "local": self._local,
                 },
                 poll,
             )
@@ -369,7 +391,12 @@ class WeightSubscriber:
             self._received = None
             if got is not None and (got.version, got.publish) == (head["version"], head["publish"]):
                 self._stats["via_group"] += 1
+                await self._probe_file(head)
                 return got.version, got.state
+            fetched = await self._from_file(head)
+            if fetched is not None:
+                self._stats["via_file"] += 1
+                return fetched
             fetched = await self._fetch(head)
             if fetched is not None:
                 self._stats["via_bus"] += 1
@@ -379,6 +406,18 @@ class WeightSubscriber:
         group, self._group = self._group, None
         if group is not None:
             await group.aclose()
+
+    async def leave(self, timeout: float = 5.0) -> None:
+        """Leave the plane now (a rollout stopping on purpose), so the next version's group
+        is formed without this receiver instead of waiting out its lease, then close the
+        group. Best effort: a bus that does not answer lets the lease expire instead."""
+        try:
+            await asyncio.wait_for(
+                self._bus._call({"op": "w_leave", "member": self.member}), timeout
+            )
+        except (BusError, TransportError, TimeoutError) as exc:
+            self._log.warning("could not leave the weight plane; its lease expires", error=str(exc))
+        await self.aclose()
 
     # ------------------------------------------------------------------ machinery
 
@@ -453,6 +492,45 @@ class WeightSubscriber:
             device=self._opts.device or "cpu",
         )
 
+    async def _from_file(self, head: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        """A committed version read from the bus's file where this receiver can read it,
+        every bucket checked against the publisher's checksum (``None``: not readable here,
+        or not the same bytes — then the bus sends them, and the group carries the next)."""
+        meta, path = head["meta"], head.get("file")
+        if not self._reads_file:
+            return None
+        if not path or not meta.get("digests") or not meta.get("layout"):
+            return None  # a version published without checksums (transport "bus")
+        try:
+            state = await asyncio.to_thread(_read_verified, Path(path), meta)
+        # Any failure only costs the fast path (another machine, a pruned file, a corrupt or
+        # foreign one: OSError, SafetensorError, WeightsCorrupt, ...): the bus serves it.
+        except Exception as exc:
+            if self._local:
+                self._log.warning("cannot read the bus's weight file", file=path, error=str(exc))
+            self._local = False
+            return None
+        self._local = True
+        return int(head["version"]), state
+
+    async def _probe_file(self, head: dict[str, Any]) -> None:
+        """Received over the group: could this receiver read the bus's file instead? One
+        bucket of it, checked against its checksum, says so (then the group leaves it out
+        from the next version); tried at most once a minute."""
+        now = time.monotonic()
+        if self._local or not self._reads_file or now - self._probed_at < _PROBE_EVERY:
+            return
+        self._probed_at = now
+        meta, path = head["meta"], head.get("file")
+        if not path or not meta.get("digests") or not meta.get("layout"):
+            return
+        try:
+            await asyncio.to_thread(_read_verified, Path(path), meta, only=0)
+        except Exception:  # not readable here, or not the same bytes: stay on the group
+            return
+        self._local = True
+        self._log.info("reading versions from the bus's file from now on", file=path)
+
     async def _fetch(self, head: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
         """A committed version through the bus (``None``: superseded while read)."""
         state: dict[str, Any] = {}
@@ -464,10 +542,40 @@ class WeightSubscriber:
                 state.update(part["tensors"])
         except VersionGone:
             return None
-        names = head["meta"].get("names")
+        meta = head["meta"]
+        if meta.get("digests") and meta.get("layout"):
+            # The bus's copy is checked too (a disk that flipped a bit): never applied corrupt.
+            for index, layout in enumerate(meta["layout"]):
+                tensors = [state[name] for name, _, _ in layout]
+                if await asyncio.to_thread(bucket_digest, tensors) != int(meta["digests"][index]):
+                    raise WeightsCorrupt(
+                        f"weight version {head['version']}: the bus's copy of bucket {index} does"
+                        " not match the publisher's checksum; not applied"
+                    )
+        names = meta.get("names")
         if names is not None and list(state) != names:
             state = {name: state[name] for name in names}
         return int(head["version"]), state
+
+
+def _read_verified(path: Path, meta: dict[str, Any], *, only: int | None = None) -> dict[str, Any]:
+    """The tensors of a version file (bucket ``only``, or all), bucket by bucket, each bucket
+    checked against its checksum; ``WeightsCorrupt`` when one does not match."""
+    from safetensors import safe_open
+
+    state: dict[str, Any] = {}
+    with safe_open(str(path), framework="pt") as f:
+        for index, layout in enumerate(meta["layout"]):
+            if only is not None and index != only:
+                continue
+            tensors = [f.get_tensor(f"{index}/{name}") for name, _, _ in layout]
+            if bucket_digest(tensors) != int(meta["digests"][index]):
+                raise WeightsCorrupt(f"{path}: bucket {index} does not match its checksum")
+            state.update({name: t for (name, _, _), t in zip(layout, tensors, strict=True)})
+    names = meta.get("names")
+    if only is not None or names is None:
+        return state
+    return {name: state[name] for name in names}
 
 
 __all__ = [

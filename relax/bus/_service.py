@@ -90,6 +90,13 @@ class BusService(Actor):
         # The weight plane's receivers, by the last time each polled (not logged: they poll
         # again within their lease after a bus restart).
         self.weight_members: dict[str, float] = {}
+        # Receivers that left (a drained rollout): a poll of theirs still in flight must not
+        # make them members again. Member ids are per incarnation, so this only grows by one
+        # per stopped rollout.
+        self.weight_left: set[str] = set()
+        # Receivers that read committed versions from this bus's folder (same machine, or a
+        # shared file system): the group carries bytes only to the others.
+        self.weight_local: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -159,6 +166,9 @@ class BusService(Actor):
         stats = self.table.statistics()
         stats["service"] = dict(self.stats)
         stats["weights"] = self.weights.statistics()
+        # Who receives versions over the plane (polled within the last lease; left ones gone).
+        stats["weights"]["members"] = sorted(self.weight_members)
+        stats["weights"]["local_members"] = sorted(self.weight_local & set(self.weight_members))
         if self.log_file is not None:
             stats["log"] = self.log_file.statistics()
         if self.server is not None:
@@ -410,21 +420,36 @@ class BusService(Actor):
                 return None
             return self.weights.pending_after(int(pending), req.get("pending_skip"))
 
+        member = None if member is None or str(member) in self.weight_left else str(member)
         if member is not None:
-            self.weight_members[str(member)] = time.monotonic()
+            self.weight_members[member] = time.monotonic()
+            if req.get("local"):
+                self.weight_local.add(member)
+            else:
+                self.weight_local.discard(member)
         try:
             return await self._wait_for(found, req.get("wait"))
         finally:
-            if member is not None:
-                self.weight_members[str(member)] = time.monotonic()
+            if member is not None and member not in self.weight_left:
+                self.weight_members[member] = time.monotonic()
+
+    async def _op_w_leave(self, req: dict[str, Any], peer: Peer) -> bool:
+        """A receiver leaves the weight plane now (a rollout stopping), not a lease later:
+        the next version's group is formed without it."""
+        member = str(req["member"])
+        self.weight_left.add(member)
+        self.weight_local.discard(member)
+        return self.weight_members.pop(member, None) is not None
 
     async def _op_w_members(self, req: dict[str, Any], peer: Peer) -> list[str]:
-        """The weight plane's receivers that polled within ``lease`` seconds, sorted."""
+        """The weight plane's receivers that polled within ``lease`` seconds and need the
+        bytes sent (not those reading this bus's folder), sorted."""
         horizon = time.monotonic() - float(req.get("lease", 10.0))
         for member, seen in list(self.weight_members.items()):
             if seen < horizon:
                 del self.weight_members[member]
-        return sorted(self.weight_members)
+                self.weight_local.discard(member)
+        return sorted(set(self.weight_members) - self.weight_local)
 
     async def _op_w_get(self, req: dict[str, Any], peer: Peer) -> dict[str, Any]:
         return self.weights.get_bucket(int(req["version"]), int(req["index"]))

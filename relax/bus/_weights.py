@@ -147,7 +147,12 @@ class WeightStore:
         if self.current <= after:
             return None
         entry = self.committed[self.current]
-        return {"version": self.current, "meta": entry["meta"], "buckets": len(entry["buckets"])}
+        head = {"version": self.current, "meta": entry["meta"], "buckets": len(entry["buckets"])}
+        if self.directory is not None and not _layout_only(entry):
+            # Where its bytes are: a receiver that can read this folder (the same machine, a
+            # shared file system) reads them there, checked against the publisher's checksums.
+            head["file"] = str(self._final(self.current).resolve())
+        return head
 
     def get_bucket(self, version: int, index: int) -> dict[str, Any]:
         entry = self.committed.get(version)

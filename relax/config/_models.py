@@ -244,6 +244,8 @@ class WeightsConfig(ConfigModel):
     """Seconds a moving bucket may make no progress before its receiver counts as gone (a rollout SIGKILLed mid-transfer); the trainer goes on, the others keep their version."""
     lease: Seconds = 10.0
     """Seconds after a rollout's last poll that it still counts as a receiver; a dead one leaves the group at the first version after its lease ran out."""
+    local_file: Literal["auto", "on", "off"] = "auto"
+    """Whether a rollout that can read the samples bus's weight files (the same machine, or a shared file system) reads each committed version there (every bucket checked against the trainer's checksum) instead of receiving it over the group, which then carries bytes only to the others. "auto": on where the group would run on CPU (gloo over TCP is several times slower than a file in the page cache), off with CUDA (NCCL is faster than any file)."""
 
 
 # --------------------------------------------------------------------------- [model]

@@ -141,6 +141,7 @@ class RolloutRole(Actor):
         self._unpaused.set()
         self._idle = asyncio.Event()  # set between rounds
         self._idle.set()
+        self._start_version: int | None = None  # what it held before serving anything
 
     async def on_start(self) -> None:
         # A restart while paused comes back paused: the control endpoint still says so.
@@ -208,6 +209,8 @@ class RolloutRole(Actor):
             stats["episodes"] = dict(self.episodes)
         if self._plane is not None:
             stats["weight_plane"] = self._plane.statistics()
+        if self._start_version is not None:  # a replica added or restarted mid-run: >= current
+            stats["start_version"] = self._start_version
         return stats
 
     async def _sync_weights(self, bus: BusClient, wait: float) -> bool:
@@ -261,6 +264,7 @@ class RolloutRole(Actor):
                 options = plane_options(cfg.weights, self.samples_url)
                 self._plane = WeightSubscriber(weights, member, options)
             await self._sync_weights(weights, wait=0)  # serve the current version first
+            self._start_version = self.engine.version
             follower = asyncio.create_task(self._follow_weights(weights))
             self._samples = samples
             try:
@@ -281,6 +285,8 @@ class RolloutRole(Actor):
                 follower.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await follower
+                if self._plane is not None:  # stopping (drained, restarted): out of the group now
+                    await self._plane.leave()
 
     async def _serve_endpoint(self, stops: list[int]) -> None:
         """Start the OpenAI-compatible endpoint and write where it is to the run folder."""

@@ -85,6 +85,9 @@ class WeightsStatistics(TypedDict, total=False):
     """The newest weights version served (-1: none yet)."""
     versions: list[int]
     """Weight versions the bus keeps."""
+    members: list[str]
+    """The weight plane's receivers (``<rollout id>-<rank>-<incarnation>``) that polled within
+    their lease and have not left."""
 
 
 class BusStatistics(TypedDict, total=False):

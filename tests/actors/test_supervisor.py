@@ -195,6 +195,57 @@ async def test_operator_restart_and_terminate(events_file) -> None:
             await sup.ref("c").call("pid")
 
 
+async def test_children_added_and_deleted_while_running(events_file) -> None:
+    async with Supervisor(three(events_file), intensity=5) as sup:
+        await sup.start_child(ChildSpec("d", Echo, kwargs={"events": events_file}))
+        assert sup.child_ids() == ["a", "b", "c", "d"]
+        assert await sup.ref("d").call("add", 2, 3) == 5
+        assert find(await sup.snapshot(), "d")["state"] == "running"
+        with pytest.raises(ValueError, match="already has a child 'd'"):
+            await sup.start_child(ChildSpec("d", Echo))
+        # An added child is supervised like the others: a crash is restarted in place.
+        await crash_and_wait(sup, "d")
+        assert starts(read_events(events_file), "d") == 2
+
+        # Deleted: stopped, gone from the tree; its refs fail instead of waiting.
+        ref = sup.ref("d")
+        await sup.delete_child("d")
+        assert "stop d" in read_events(events_file)
+        assert sup.child_ids() == ["a", "b", "c"]
+        assert [c["id"] for c in (await sup.snapshot())["children"]] == ["a", "b", "c"]
+        with pytest.raises(ActorDead):
+            await ref.call("pid", timeout=5)
+        with pytest.raises(KeyError):
+            sup.ref("d")
+        # Its id can be used again.
+        await sup.start_child(ChildSpec("d", Echo, kwargs={"events": events_file}))
+        assert await sup.ref("d").call("add", 1, 1) == 2
+    # The added child stops first, like the last child of the spec list.
+    assert read_events(events_file)[-4:] == ["stop d", "stop c", "stop b", "stop a"]
+
+
+async def test_a_child_that_fails_to_start_is_not_added() -> None:
+    async with Supervisor([ChildSpec("a", Echo)]) as sup:
+        with pytest.raises(StartFailed):
+            await sup.start_child(ChildSpec("bad", CrashOnStart))
+        assert sup.child_ids() == ["a"]
+        assert await sup.ref("a").call("add", 1, 2) == 3
+
+
+async def test_the_exit_of_a_deleted_child_is_no_crash(events_file) -> None:
+    async with Supervisor([ChildSpec("a", Echo, kwargs={"events": events_file})]) as sup:
+        await sup.start_child(ChildSpec("d", Echo, kwargs={"events": events_file}))
+        await sup.delete_child("d")
+        # Its crash reported after the delete (it was queued when the delete took the lock):
+        sup._events.put_nowait(("d", 1, Exit("exception", "late")))
+        sup._events.put_nowait(("d", 1, None))  # or its wait for resources ended
+        assert await sup.ref("a").call("add", 1, 1) == 2
+        await wait_until(lambda: sup._events.empty(), what="the late events handled")
+        snap = await sup.snapshot()
+        assert snap["gave_up"] is None and snap["restarts_in_period"] == 0
+        assert sup.child_ids() == ["a"] and starts(read_events(events_file), "d") == 1
+
+
 async def test_auto_shutdown_ends_the_tree_when_a_significant_child_finishes(events_file) -> None:
     children = [
         ChildSpec("e", Echo, kwargs={"events": events_file}),

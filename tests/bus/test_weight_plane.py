@@ -20,7 +20,11 @@ from tests.polling import wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
-FAST = PlaneOptions(bucket_bytes=1 << 20, timeout=20.0, stall_timeout=2.0, lease=2.0)
+# The group's own tests: receivers that could read the bus's file (they can: one machine) are
+# kept on the group; ``test_receivers_that_can_read_the_bus_s_file`` tests the file path.
+FAST = PlaneOptions(
+    bucket_bytes=1 << 20, timeout=20.0, stall_timeout=2.0, lease=2.0, local_file=False
+)
 
 
 def state_dict(seed: int, mb: int = 4) -> dict[str, torch.Tensor]:
@@ -166,7 +170,9 @@ async def test_a_receiver_sigkilled_mid_transfer_fails_that_transfer_and_the_res
     """200 MB to two receivers; one (its own process) is SIGKILLed mid-transfer: the publish
     returns within the stall timeout, the other receiver gets the version, the next version
     goes over a group without the dead one, and a restarted receiver catches up."""
-    big = PlaneOptions(bucket_bytes=16 << 20, timeout=20.0, stall_timeout=2.0, lease=2.0)
+    big = PlaneOptions(
+        bucket_bytes=16 << 20, timeout=20.0, stall_timeout=2.0, lease=2.0, local_file=False
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     async def spawn(member: str) -> asyncio.subprocess.Process:
@@ -240,7 +246,12 @@ async def test_a_receiver_that_died_idle_costs_one_join_timeout_and_is_left_out_
     ``join_timeout``, that version reaches the live receiver from the bus, and the version
     after forms the group without the dead one."""
     opts = PlaneOptions(
-        bucket_bytes=1 << 20, join_timeout=2.0, timeout=20.0, stall_timeout=2.0, lease=30.0
+        bucket_bytes=1 << 20,
+        join_timeout=2.0,
+        timeout=20.0,
+        stall_timeout=2.0,
+        lease=30.0,
+        local_file=False,
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     args = ["-m", "tests.bus.weight_plane_peer", bus, "idle", str(opts.lease), "group"]
@@ -273,4 +284,124 @@ async def test_a_receiver_that_died_idle_costs_one_join_timeout_and_is_left_out_
             assert pub.statistics()["members"] == ["a"]
         finally:
             await a.aclose()
+            await pub.aclose()
+
+
+async def test_a_receiver_that_leaves_is_out_of_the_next_group_at_once(bus) -> None:
+    """A rollout stopped on purpose (drained, scaled away) leaves: the next version's group
+    is formed without it, with no join timeout waited — even though a poll of its was still
+    waiting at the bus when it left (that poll must not make it a member again)."""
+    opts = PlaneOptions(
+        bucket_bytes=1 << 20,
+        join_timeout=20.0,
+        timeout=20.0,
+        stall_timeout=2.0,
+        lease=60.0,
+        local_file=False,
+    )
+    async with (
+        await BusClient.connect(bus) as trainer_bus,
+        await BusClient.connect(bus) as bus_a,
+        await BusClient.connect(bus) as bus_b,
+    ):
+        pub = WeightPublisher(trainer_bus, opts)
+        a = WeightSubscriber(bus_a, "a", opts)
+        b = WeightSubscriber(bus_b, "b", opts, poll_wait=3.0)
+        try:
+            wait_a = asyncio.create_task(a.next(-1, wait=60))
+            wait_b = asyncio.create_task(b.next(-1, wait=60))
+            await wait_until(
+                lambda: _members_are(trainer_bus, ["a", "b"], opts.lease), what="both polling"
+            )
+            wait_b.cancel()  # b stops: its poll goes on waiting at the bus a while
+            await b.leave()
+            assert await members(trainer_bus, opts.lease) == ["a"]
+            started = asyncio.get_running_loop().time()
+            assert await pub.publish(1, state_dict(3)) == 1  # a group of a alone
+            assert asyncio.get_running_loop().time() - started < 10  # no join timeout (20 s)
+            got = await wait_a
+            assert got is not None and same(got[1], state_dict(3))
+            assert a.statistics()["via_group"] == 1
+            # b's abandoned poll (pending_after -1) ended when version 1 was announced, well
+            # before a had it committed: it did not make b a member again.
+            assert await members(trainer_bus, opts.lease) == ["a"]
+        finally:
+            await a.aclose()
+            await b.aclose()
+            await pub.aclose()
+
+
+async def test_receivers_that_can_read_the_bus_s_file_read_it_verified_and_leave_the_group(
+    bus, tmp_path
+) -> None:
+    """On one machine a receiver reads each committed version from the bus's file (checked
+    bucket by bucket against the publisher's checksums) and the group carries bytes only to
+    the receivers that cannot; a file that is not there, or not the same bytes, costs only
+    the fast path."""
+    local = PlaneOptions(
+        bucket_bytes=1 << 20, timeout=20.0, stall_timeout=2.0, lease=2.0, local_file=True
+    )
+    async with (
+        await BusClient.connect(bus) as trainer_bus,
+        await BusClient.connect(bus) as bus_a,
+        await BusClient.connect(bus) as bus_b,
+        await BusClient.connect(bus) as bus_c,
+    ):
+        pub = WeightPublisher(trainer_bus, local)
+        a = WeightSubscriber(bus_a, "a", local)
+        b = WeightSubscriber(bus_b, "b", FAST)  # never reads files: stays on the group
+        try:
+            assert await pub.publish(1, state_dict(1)) == 0  # nobody polls yet
+            got = await a.next(-1, wait=30)  # a joiner: v1 from the file, verified
+            assert got is not None and got[0] == 1 and same(got[1], state_dict(1))
+            assert a.statistics()["via_file"] == 1 and a.statistics()["via_bus"] == 0
+            wait_a = asyncio.create_task(a.next(1, wait=60))
+            wait_b = asyncio.create_task(b.next(1, wait=60))
+            await wait_until(
+                lambda: _members_are(trainer_bus, ["b"]), what="b alone needing the group"
+            )
+            stats = (await trainer_bus.statistics())["weights"]
+            assert stats["members"] == ["a", "b"] and stats["local_members"] == ["a"]
+            assert await pub.publish(2, state_dict(2)) == 1  # over the group: b only
+            for got in await asyncio.gather(wait_a, wait_b):
+                assert got is not None and got[0] == 2 and same(got[1], state_dict(2))
+            assert a.statistics()["via_file"] == 2 and a.statistics()["via_group"] == 0
+            assert b.statistics()["via_group"] == 1
+            assert pub.statistics()["members"] == ["b"]
+
+            # Not readable here (another machine): the bus sends it, and a rejoins the group.
+            head = await bus_a._call({"op": "w_poll", "after": 1, "wait": 0})
+            assert Path(head["file"]).is_file()
+            assert await a._from_file({**head, "file": str(tmp_path / "elsewhere")}) is None
+            assert a._local is False
+            # Not the same bytes (a foreign or damaged file): refused, bucket named.
+            foreign = tmp_path / "foreign.safetensors"
+            foreign.write_bytes(Path(head["file"]).read_bytes())
+            with foreign.open("r+b") as f:
+                f.seek(-5, os.SEEK_END)
+                byte = f.read(1)
+                f.seek(-5, os.SEEK_END)
+                f.write(bytes([byte[0] ^ 1]))
+            assert await a._from_file({**head, "file": str(foreign)}) is None
+            assert await a._from_file(head) is not None and a._local is True
+
+            # A receiver that was in the group when it started checks one bucket of the file
+            # after its first version, and is left out of the group from the next one on.
+            c = WeightSubscriber(bus_c, "c", local)
+            waits = [asyncio.create_task(r.next(2, wait=60)) for r in (b, c)]
+            await wait_until(lambda: _members_are(trainer_bus, ["b", "c"]), what="c joining")
+            assert await pub.publish(3, state_dict(3)) == 2
+            for got in await asyncio.gather(*waits):
+                assert got is not None and same(got[1], state_dict(3))
+            assert c.statistics()["via_group"] == 1 and c._local is True
+            waits = [asyncio.create_task(r.next(3, wait=60)) for r in (b, c)]
+            await wait_until(lambda: _members_are(trainer_bus, ["b"]), what="c off the group")
+            assert await pub.publish(4, state_dict(4)) == 1
+            for got in await asyncio.gather(*waits):
+                assert got is not None and same(got[1], state_dict(4))
+            assert c.statistics()["via_file"] == 1
+            await c.aclose()
+        finally:
+            await a.aclose()
+            await b.aclose()
             await pub.aclose()

@@ -1,8 +1,9 @@
 """A weight plane receiver in its own process (for SIGKILLs mid-transfer).
 
-``python -m tests.bus.weight_plane_peer BUS_URL MEMBER LEASE [group|bus] [sum]``: receives
-versions until killed, over the weight plane (``group``, the default) or by polling the bus
-(``bus``); prints ``bucket i`` after each bucket it receives over the group and one JSON line
+``python -m tests.bus.weight_plane_peer BUS_URL MEMBER LEASE [group|file|bus] [sum]``:
+receives versions until killed, over the weight plane's group (``group``, the default), over
+the weight plane reading the bus's file where it can (``file``: ``[weights] local_file``), or
+by polling the bus (``bus``); prints ``bucket i`` after each bucket it receives over the group and one JSON line
 per version it switched to: ``{"version": v, "t": time.monotonic()}``, with ``"sum"`` (of
 every element) when asked. ``bench/weights.py`` times publishes with it too.
 """
@@ -34,10 +35,11 @@ async def main(url: str, member: str, lease: float, mode: str, with_sum: bool) -
     TensorGroup.broadcast_bucket = _announcing  # type: ignore[method-assign]
     limits = Limits(frame_bytes=8 << 20, max_message_bytes=1 << 30)
     async with await BusClient.connect(url, limits=limits) as bus:
-        sub = WeightSubscriber(bus, member, PlaneOptions(lease=lease, stall_timeout=2.0))
+        options = PlaneOptions(lease=lease, stall_timeout=2.0, local_file=mode == "file")
+        sub = WeightSubscriber(bus, member, options)
         version = -1
         while True:
-            if mode == "group":
+            if mode in ("group", "file"):
                 got = await sub.next(version, wait=60)
             else:
                 got = await bus.poll_weights(version, wait=60)

@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 from relax import cluster
 from relax.cli import app as relax_app
 from relax.cli._tui import StatusApp
-from relax.cli._tui_widgets import Confirm
+from relax.cli._tui_widgets import AskValue, Confirm
 from relax.config import parse_config
 from relax.control import CONTROL_FILE, control_request, read_metrics
 from tests.actors.helpers import find
@@ -151,6 +151,32 @@ async def test_dashboard_shows_crashes_restarts_pause_and_stop(run_dir: Path) ->
         await pilot.press("p")
         await wait_until(lambda: _not_paused(run_dir), 60, "the cluster to resume")
         await wait_until(lambda: app.paused is False and not _banner(app), 30, "banner gone")
+
+        # `+` adds a rollout replica; `-` drains it and takes it out of the tree again.
+        assert "1 rollout ·" in _trainer_panel(app)
+        await pilot.press("plus")
+        await wait_until(
+            lambda: "rollout-1" in _rows(actors) and _cell(actors, "rollout-1", "state") == "running",
+            120,
+            "a second rollout",
+        )
+        await wait_until(lambda: "2 rollouts" in _trainer_panel(app), 30, "the count shown")
+        await pilot.press("minus")
+        await wait_until(lambda: "rollout-1" not in _rows(actors), 120, "the second one removed")
+        assert [c["id"] for c in (await _status(run_dir))["tree"]["children"]][-1] == "rollout-0"
+        await pilot.press("minus")  # never below one: that is what `p` is for
+        assert "rollout-0" in _rows(actors) and app.op_in_flight is None
+
+        # `s` asks for a staleness bound; a bad one is refused, a good one set.
+        await pilot.press("s")
+        await wait_until(lambda: isinstance(app.screen, AskValue), 30, "the question")
+        await pilot.press("minus", "3", "enter")
+        await wait_until(lambda: not isinstance(app.screen, AskValue), 30, "the answer")
+        await pilot.press("s")
+        await wait_until(lambda: isinstance(app.screen, AskValue), 30, "the question again")
+        await pilot.press("3", "enter")
+        await wait_until(lambda: _staleness_is(run_dir, 3), 60, "the staleness bound set")
+        await wait_until(lambda: "staleness 3" in _trainer_panel(app), 30, "the bound shown")
 
         # The cluster stops: the dashboard says so and keeps its last status on screen.
         await control_request(run_dir, {"op": "stop"})
@@ -487,3 +513,11 @@ def test_a_child_waiting_for_resources_says_so_in_the_plain_snapshot() -> None:
     rows = {line.split()[0]: line for line in plain_snapshot(snap).splitlines() if line[:2] == "  "}
     assert "waiting for resources" in rows["rollout-0"]
     assert "waiting" not in rows["trainer"] and "running" in rows["trainer"]
+
+
+def _trainer_panel(app: StatusApp) -> str:
+    return str(app.query_one("#trainer", Static).content)
+
+
+async def _staleness_is(run_dir: Path, bound: int) -> bool:
+    return (await _status(run_dir))["bus"]["samples"]["staleness"] == bound

@@ -87,10 +87,11 @@ class BusLedger:
         }
 
 
-def replay_samples_bus(run_dir: Path) -> BusLedger:
-    """Replay ``run_dir/samples/bus-log`` (the bus must be stopped) into a ``BusLedger``."""
+def replay_samples_bus(run_dir: Path, bus: str = "samples") -> BusLedger:
+    """Replay ``run_dir/samples/bus-log`` (the bus must be stopped) into a ``BusLedger``
+    (``bus="prompts"``: the prompts bus, whose one task is ``"rollout"``)."""
     ledger = BusLedger()
-    with SegmentLog(run_dir / "samples" / "bus-log") as log:
+    with SegmentLog(run_dir / bus / "bus-log") as log:
         # Compaction deletes whole old segments; a per-row audit needs every record.
         assert log.first_seq == 0, f"the bus log was compacted (first seq {log.first_seq})"
         ops = [(seq, loads(record)) for seq, record in log.replay()]

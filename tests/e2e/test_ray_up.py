@@ -9,6 +9,7 @@ fails instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -22,6 +23,13 @@ from relax.config import load_config
 from relax.control import control_request
 from relax.errors import RelaxError
 from tests.actors.helpers import find, wait_until
+from tests.e2e.audit import (
+    check_exactly_once,
+    check_metrics,
+    check_trainer_ledger,
+    read_metrics,
+    replay_samples_bus,
+)
 from tests.optional import require
 
 # Whole runs with Ray actors starting (and restarting) beside CI's other worker: over the
@@ -46,6 +54,7 @@ async def test_digits_recipe_runs_with_its_rollout_on_ray(tmp_path: Path) -> Non
             'cluster.ray.address="local"',
             "cluster.ray.num_cpus=2",
             f"trainer.steps={STEPS}",
+            'weights.local_file="off"',  # the group, not the file the rollout could read
         ],
     )
     run_dir = tmp_path / "run"
@@ -132,3 +141,71 @@ async def test_every_role_on_ray_runs_from_one_command(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [r["reward_mean"] for r in rows if r["applied"]][-10:]
     assert sum(last) / len(last) > 0.5, last  # it learned, as the digits recipe does
+
+
+async def test_two_ray_placed_rollouts_get_the_versions_over_one_group(tmp_path: Path) -> None:
+    """Two rollout replicas, each a Ray actor's child process: both receive the trainer's
+    versions over one gloo group of three (the trainer and both), and the run loses and
+    repeats nothing."""
+    cfg = load_config(
+        RECIPE,
+        overrides=[
+            'rollout.placement="ray"',
+            "rollout.replicas=2",
+            "rollout.ray.num_cpus=1",
+            'cluster.ray.address="local"',
+            "cluster.ray.num_cpus=2",
+            "trainer.steps=100000",  # stopped once both are seen over the group
+            'weights.local_file="off"',  # the group, not the file they could read
+        ],
+    )
+    run_dir = tmp_path / "run"
+    run = asyncio.create_task(cluster.run(cfg, run_dir))
+
+    def joined_three(child: str) -> list[dict[str, Any]]:
+        """The rollout's own log lines (relayed from its Ray node) of a group of three."""
+        path = run_dir / "logs" / f"{child}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        events = [json.loads(line) for line in lines if line.endswith("}")]
+        return [e for e in events if e["event"] == "joined the weight group" and e["size"] == 3]
+
+    async def both_in_one_group() -> list[dict[str, Any]] | None:
+        if run.done():
+            run.result()
+            raise AssertionError("the run ended before both rollouts were seen over the group")
+        if not all(joined_three(f"rollout-{i}") for i in (0, 1)):
+            return None
+        try:
+            status = await control_request(run_dir, {"op": "status", "history": 1}, timeout=5)
+        except RelaxError:
+            return None
+        return [find(status["tree"], f"rollout-{i}") for i in (0, 1)]
+
+    try:
+        entries = await wait_until(both_in_one_group, timeout=240, what="both in one group")
+        # A few versions more over that group before the run is stopped.
+        at = (await control_request(run_dir, {"op": "status", "history": 1}))["trainer"]
+        await wait_until(
+            lambda: _version_above(run_dir, at["version"] + 5), timeout=120, what="5 versions"
+        )
+    finally:
+        with contextlib.suppress(Exception):
+            await control_request(run_dir, {"op": "stop"}, timeout=30)
+    layout = await asyncio.wait_for(run, 180)
+    for entry in entries:
+        assert entry["placement"] == "ray" and entry["stats"]["ray_actor_id"], entry
+    joined = [joined_three(f"rollout-{i}")[0] for i in (0, 1)]
+    assert {e["rank"] for e in joined} == {1, 2} and {e["backend"] for e in joined} == {"gloo"}
+    assert len({e["epoch"] for e in joined}) == 1  # the same group
+    assert entries[0]["pids"] != entries[1]["pids"]
+    records = read_metrics(layout.run_dir)
+    steps = max(r["step"] for r in records if r["applied"])
+    check_metrics(records, steps)
+    ledger = replay_samples_bus(layout.run_dir)
+    check_exactly_once(ledger)
+    assert check_trainer_ledger(layout.run_dir, ledger)["steps"] == steps
+
+
+async def _version_above(run_dir: Path, version: int) -> bool:
+    status = await control_request(run_dir, {"op": "status", "history": 1}, timeout=5)
+    return status["trainer"]["version"] > version

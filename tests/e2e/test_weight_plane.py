@@ -51,6 +51,8 @@ async def test_two_rollouts_get_every_version_over_the_group_and_a_killed_one_ca
         'trainer.placement="process"',
         "bus.lease_timeout=5",
         "weights.lease=3",
+        # One machine: the rollouts could read the trainer's file; this test is the group's.
+        'weights.local_file="off"',
         # The recipe steps in ~60 ms and a rollout process starts in seconds: enough steps
         # that the run is still going after the second rollout started, was killed and came
         # back (the waits below fail at once if it ended first).
