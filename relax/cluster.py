@@ -342,7 +342,13 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
 
 
 def _role_spec(
-    cfg: ClusterConfig, child_id: str, cls: type, role_cfg: Any, *, restart: str | None, **kwargs: Any
+    cfg: ClusterConfig,
+    child_id: str,
+    cls: type,
+    role_cfg: Any,
+    *,
+    restart: str | None,
+    **kwargs: Any,
 ) -> ChildSpec:
     return ChildSpec(
         child_id,

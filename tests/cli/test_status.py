@@ -156,7 +156,9 @@ async def test_dashboard_shows_crashes_restarts_pause_and_stop(run_dir: Path) ->
         assert "1 rollout ·" in _trainer_panel(app)
         await pilot.press("plus")
         await wait_until(
-            lambda: "rollout-1" in _rows(actors) and _cell(actors, "rollout-1", "state") == "running",
+            lambda: (
+                "rollout-1" in _rows(actors) and _cell(actors, "rollout-1", "state") == "running"
+            ),
             120,
             "a second rollout",
         )
