@@ -215,6 +215,19 @@ def check_trainer_ledger(run_dir: Path, ledger: BusLedger) -> dict[str, int]:
     return {"steps": len(lineage), "rows_trained": len(used), "entries": len(entries)}
 
 
+def check_stopped_run(run_dir: Path) -> int:
+    """The audit of a run stopped mid-way (``stop`` on the control endpoint): steps 1..N
+    applied, zero rows lost or trained twice by the bus log, and the trainer's ledger agrees.
+    Returns N."""
+    records = read_metrics(run_dir)
+    steps = max(r["step"] for r in records if r["applied"])
+    check_metrics(records, steps)
+    ledger = replay_samples_bus(run_dir)
+    check_exactly_once(ledger)
+    assert check_trainer_ledger(run_dir, ledger)["steps"] == steps
+    return steps
+
+
 # --------------------------------------------------------------------------- metrics
 
 

@@ -23,13 +23,7 @@ from relax.config import load_config
 from relax.control import control_request
 from relax.errors import RelaxError
 from tests.actors.helpers import find, wait_until
-from tests.e2e.audit import (
-    check_exactly_once,
-    check_metrics,
-    check_trainer_ledger,
-    read_metrics,
-    replay_samples_bus,
-)
+from tests.e2e.audit import check_stopped_run
 from tests.optional import require
 
 # Whole runs with Ray actors starting (and restarting) beside CI's other worker: over the
@@ -198,12 +192,7 @@ async def test_two_ray_placed_rollouts_get_the_versions_over_one_group(tmp_path:
     assert {e["rank"] for e in joined} == {1, 2} and {e["backend"] for e in joined} == {"gloo"}
     assert len({e["epoch"] for e in joined}) == 1  # the same group
     assert entries[0]["pids"] != entries[1]["pids"]
-    records = read_metrics(layout.run_dir)
-    steps = max(r["step"] for r in records if r["applied"])
-    check_metrics(records, steps)
-    ledger = replay_samples_bus(layout.run_dir)
-    check_exactly_once(ledger)
-    assert check_trainer_ledger(layout.run_dir, ledger)["steps"] == steps
+    check_stopped_run(layout.run_dir)
 
 
 async def _version_above(run_dir: Path, version: int) -> bool:

@@ -19,14 +19,7 @@ import pytest
 from relax import cluster
 from relax.config import load_config
 from relax.control import control_request
-from tests.e2e.audit import (
-    applied_steps,
-    check_exactly_once,
-    check_metrics,
-    check_trainer_ledger,
-    read_metrics,
-    replay_samples_bus,
-)
+from tests.e2e.audit import applied_steps, check_stopped_run, read_metrics, replay_samples_bus
 from tests.polling import wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -140,14 +133,10 @@ def _plane_rollouts(status: dict[str, Any]) -> set[str]:
 
 
 def _audit(run_dir: Path, batch: int) -> None:
+    steps = check_stopped_run(run_dir)
     records = read_metrics(run_dir)
-    steps = max(r["step"] for r in records if r["applied"])
-    applied, _ = check_metrics(records, steps)
-    ledger = replay_samples_bus(run_dir)
-    check_exactly_once(ledger)
-    assert check_trainer_ledger(run_dir, ledger)["steps"] == steps
     skipped = [r for r in records if not r["applied"]]
-    assert len(ledger.trained) == batch * (len(set(applied)) + len(skipped))
+    assert len(replay_samples_bus(run_dir).trained) == batch * (steps + len(skipped))
     # Prompts: each acked by a rollout at most once, none vanished, and the drain left no
     # lease to expire (a replica stopped mid-round would have: its prompts come back late).
     prompts = replay_samples_bus(run_dir, bus="prompts")
