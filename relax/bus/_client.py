@@ -48,6 +48,10 @@ class Batch:
     """Set once the rows were acked together with a weights commit (nothing left to ack)."""
     skipped_step: bool = False
     """Set by a trainer that consumed these rows in a skipped step (see ``BusTable.ack``)."""
+    ack_with_commit: bool = False
+    """Set by a trainer whose publish of the weights trained on these rows goes on after the
+    ``take`` block (overlapped with the next step): they are acked with that commit, not at
+    the block's end."""
     staleness: Any = None
     """The staleness bound in force when these rows were taken (``k`` or ``"inf"``)."""
 
@@ -151,8 +155,12 @@ class BusClient:
         max_row_tokens: int | None = None,
         lease_timeout: float | None = None,
         wait: float = 30.0,
+        trainer_version: int | None = None,
     ) -> Batch:
         """Lease up to ``batch_size`` rows ready for ``task`` (empty if none came in ``wait``).
+
+        ``trainer_version``: the trainer's own version when its last publish is still on the
+        way (overlapped with this take): rows are judged stale against it.
 
         A row is ready when it has every one of ``columns``; rows come with those columns
         (all of them when ``columns`` is empty) plus whichever of ``optional`` they have. A
@@ -172,6 +180,7 @@ class BusClient:
                 "max_row_tokens": max_row_tokens,
                 "lease_timeout": lease_timeout,
                 "wait": wait,
+                "trainer_version": trainer_version,
             },
             wait,
         )
@@ -192,7 +201,7 @@ class BusClient:
                 with contextlib.suppress(Exception):
                     await self.release(batch)
             raise
-        if batch.rows and not batch.acked:
+        if batch.rows and not batch.acked and not batch.ack_with_commit:
             await self.ack(batch)
 
     async def ack(self, batch: Batch) -> int:

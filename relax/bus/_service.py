@@ -242,6 +242,7 @@ class BusService(Actor):
                 holder=peer.id,
                 lease_timeout=float(req.get("lease_timeout") or self.lease_timeout),
                 now=time.time(),
+                trainer_version=req.get("trainer_version"),
             )
             if lease is None:
                 dropped.extend(ops)
@@ -273,7 +274,7 @@ class BusService(Actor):
         return {
             "lease": lease.id,
             "task": lease.task,
-            "trainer_version": self.table.version,
+            "trainer_version": self.table.trainer_at(req.get("trainer_version")),
             "rows": rows,
             "staleness": self.table.staleness.wire,
         }

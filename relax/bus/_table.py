@@ -195,18 +195,25 @@ class BusTable(TableState):
         holder: str = "",
         lease_timeout: float = 60.0,
         now: float = 0.0,
+        trainer_version: int | None = None,
     ) -> tuple[list[Op], Lease | None]:
         """Lease up to ``batch_size`` ready rows to ``task``; ``None`` if fewer than ``min_rows``.
 
         Drops (and counts) rows the trainer can no longer use: too stale, or a unit larger
         than the whole token budget or holding a row above ``max_row_tokens`` (dropped as
-        "oversized"). Drops happen even when no lease is granted.
+        "oversized"). Drops happen even when no lease is granted. ``trainer_version``: the
+        trainer is already at this version (its publish still on the way, overlapped with
+        this take): staleness counts from it, not from the last committed one.
         """
         if task not in self.tasks:
             raise UnknownTask(f"unknown consumer task {task!r}; the bus serves {list(self.tasks)}")
         ops: list[Op] = []
         trainer = task == self.trainer_task
-        floor = self.min_version() if trainer else -math.inf
+        floor = (
+            self.staleness.oldest_version(self.trainer_at(trainer_version))
+            if trainer
+            else -math.inf
+        )
         units = list(self._units(task, columns, whole_groups))
         if trainer:  # oldest versions first: they are the ones about to go stale
             units.sort(key=lambda unit: min(r.version for r in unit))
@@ -237,6 +244,11 @@ class BusTable(TableState):
         self._apply(lease_op)
         ops.append(lease_op)
         return ops, self.leases[lease_op["id"]]
+
+    def trainer_at(self, hint: int | None) -> int:
+        """The trainer's version for a take: the committed one, or the trainer's own when it
+        is ahead (a publish overlapped with the next take)."""
+        return self.version if hint is None else max(self.version, int(hint))
 
     def _units(self, task: str, columns: Any, whole_groups: bool) -> Any:
         """Rows (or whole groups) that ``task`` may take now, in arrival order."""

@@ -244,6 +244,8 @@ class WeightsConfig(ConfigModel):
     """Seconds a moving bucket may make no progress before its receiver counts as gone (a rollout SIGKILLed mid-transfer); the trainer goes on, the others keep their version."""
     lease: Seconds = 10.0
     """Seconds after a rollout's last poll that it still counts as a receiver; a dead one leaves the group at the first version after its lease ran out."""
+    overlap: Literal["auto", "on", "off"] = "auto"
+    """Publish each version while the trainer takes and computes the next step, instead of before it (the weights are a copy, so the step cannot change them mid-publish); versions still commit in order, each with the ack of its rows. Only while the staleness bound is above 0: at 0 the next batch needs rollouts on the new version anyway, and a staleness-0 run stays the synchronous loop. Staleness is counted from the trainer's own version meanwhile, so the bound holds as without overlap. "auto": on when the trainer has a GPU (the transfer then runs beside the step's kernels); off on CPU, where the publish's copies and checksums take the same cores the step needs (measured 0.89-0.95x, bench/publish_overlap.py)."""
     local_file: Literal["auto", "on", "off"] = "auto"
     """Whether a rollout that can read the samples bus's weight files (the same machine, or a shared file system) reads each committed version there (every bucket checked against the trainer's checksum) instead of receiving it over the group, which then carries bytes only to the others. "auto": on where the group would run on CPU (gloo over TCP is several times slower than a file in the page cache), off with CUDA (NCCL is faster than any file)."""
 

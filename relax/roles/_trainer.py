@@ -141,6 +141,8 @@ class TrainerRole(LearnerRole):
         self._published = -1  # the newest version the bus holds (rank 0)
         self._plane: WeightPublisher | None = None  # [weights] transport = "group" (rank 0)
         self._holding_rows = False  # a batch is taken and not yet published/acked
+        # [weights] overlap: the publish of the last step, going on while the next one runs.
+        self._publishing: asyncio.Task[None] | None = None
 
     async def on_start(self) -> None:
         ctx = self.context
@@ -293,16 +295,51 @@ class TrainerRole(LearnerRole):
                         await once
                 else:
                     once.cancel()
+                with contextlib.suppress(Exception):
+                    await self._published_all()
                 raise
+        await self._published_all()
         latest = self._latest_checkpoint()
         if latest is None or latest.name != _checkpoint_name(self.backend.version):
             await self._together("checkpoint")  # the end of training is always saved
+
+    async def _published_all(self) -> None:
+        """Wait for the publish still going on (``[weights] overlap``); raises its error."""
+        publishing, self._publishing = self._publishing, None
+        if publishing is not None:
+            await publishing
+
+    async def _publish_in_background(
+        self, bus: BusClient, version: int, weights: dict[str, Any], batch: Batch
+    ) -> None:
+        """Publish ``version`` (acking ``batch`` with its commit) while the next step runs."""
+        await self._published_all()  # versions commit in order, one at a time
+        batch.ack_with_commit = True
+
+        async def publish() -> None:
+            await self._publish(bus, version, weights, ack=batch)
+            self._published = version
+
+        self._publishing = asyncio.create_task(publish())
+
+    def _overlaps(self, batch: Batch) -> bool:
+        """Whether this step's publish may go on during the next step: asked for, and the
+        bound in force is not 0 (at 0 the next batch needs rollouts on this version anyway,
+        and a staleness-0 run stays the synchronous loop, step for step)."""
+        wanted = self.cfg.weights.overlap
+        if wanted == "auto":
+            import torch
+
+            wanted = "on" if torch.cuda.is_available() else "off"
+        return wanted == "on" and batch.staleness not in (0, None)
 
     async def _train_once(self, bus: Any, size: int, columns: tuple[str, ...]) -> None:
         """Take one batch, step, record; publish (acking the batch with the commit) or, for a
         skipped step, ack it flagged as skipped; checkpoint when due."""
         cfg = self.cfg
         started = time.monotonic()
+        if self._publishing is not None and self._publishing.done():
+            await self._published_all()  # surface a failed publish at once
         async with bus.take(
             "train",
             batch_size=size,
@@ -312,6 +349,8 @@ class TrainerRole(LearnerRole):
             optional=list(OPTIONAL_COLUMNS),
             max_row_tokens=cfg.trainer.max_sample_tokens,
             wait=5.0,
+            # Our version, when its publish may still be on the way: staleness counts from it.
+            trainer_version=self.backend.version,
         ) as batch:
             if not batch.rows:
                 return
@@ -337,6 +376,9 @@ class TrainerRole(LearnerRole):
                 if trainable
                 else StepResult(False, {"rows": 0.0}, "no row of the batch has response tokens")
             )
+            every = cfg.checkpoint.every_steps
+            due = bool(result.applied and every and self.backend.version % every == 0)
+            overlapped = result.applied and self._overlaps(batch) and not due
             record = {
                 "step": self.backend.version,
                 "applied": result.applied,
@@ -350,6 +392,8 @@ class TrainerRole(LearnerRole):
                 # and how many rows were how many versions behind ("lag": count).
                 "staleness_bound": batch.staleness,
                 "lag_hist": lag_histogram(batch.trainer_version, versions),
+                # Whether this step's publish goes on during the next step ([weights] overlap).
+                "publish_overlapped": overlapped,
                 "wall_s": time.monotonic() - started,
                 "time": time.time(),  # when the step ended (Unix seconds), for rates and plots
                 **episode_metrics(batch.rows),
@@ -369,10 +413,14 @@ class TrainerRole(LearnerRole):
                 )
             if result.applied:
                 weights = await self._together("publish")
-                await self._publish(bus, self.backend.version, weights, ack=batch)
-                self._published = self.backend.version
-                every = cfg.checkpoint.every_steps
-                if every and self.backend.version % every == 0:
+                version = self.backend.version
+                if overlapped:
+                    await self._publish_in_background(bus, version, weights, batch)
+                else:
+                    await self._published_all()
+                    await self._publish(bus, version, weights, ack=batch)
+                    self._published = version
+                if due:
                     await self._together("checkpoint")
 
     def _ledger(self, step: int, applied: bool, items: list[list[Any]]) -> None:

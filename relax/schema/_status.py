@@ -130,6 +130,8 @@ class MetricRecord(TypedDict, total=False):
     """The staleness bound in force when the batch was taken (``relax set staleness``)."""
     lag_hist: dict[str, int]
     """Rows of the batch per lag (versions behind the trainer), keys as strings."""
+    publish_overlapped: bool
+    """This step's publish went on during the next step (``[weights] overlap``)."""
     wall_s: float
     time: float
     """When the step ended (Unix seconds)."""

@@ -124,6 +124,28 @@ def test_trainer_never_receives_stale_rows() -> None:
     assert lease is not None and sorted(lease.items) == ["new-0", "new-1"]
 
 
+def test_a_trainer_ahead_of_its_commit_is_judged_by_its_own_version() -> None:
+    """A trainer whose publish of v3 is still on the way (overlapped) takes at version 3:
+    rows stale against 3 are dropped and never leased, though the bus has committed only 2."""
+    t = table(tasks=("train",), staleness=1)
+    t.put(rows("v1", 2, version=1))
+    t.put(rows("v2", 2, version=2))
+    t.set_version(2)  # floor 1: both would do for a trainer at 2
+    assert t.counters["dropped_stale"] == 0
+    ops, lease = t.take("train", batch_size=8, whole_groups=True, trainer_version=3)  # floor 2
+    assert lease is not None and sorted(lease.items) == ["v2-0", "v2-1"]
+    assert t.counters["dropped_stale"] == 2 and ops[0]["op"] == "drop"
+    assert t.trainer_at(3) == 3 and t.trainer_at(1) == 2 and t.trainer_at(None) == 2
+    # A replica of the table replays the same outcome from the logged ops alone.
+    replayed = table(tasks=("train",), staleness=1)
+    replayed.put(rows("v1", 2, version=1))
+    replayed.put(rows("v2", 2, version=2))
+    replayed.set_version(2)
+    for op in ops:
+        replayed.apply(op)
+    assert sorted(replayed.rows) == ["v2-0", "v2-1"] and replayed.leases
+
+
 def test_a_live_staleness_change_admits_and_drops_by_the_new_bound_and_replays() -> None:
     t = table(tasks=("train",), staleness=2, batch_size=2, capacity=100)
     t.put(rows("v0", 2, version=0))

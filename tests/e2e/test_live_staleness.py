@@ -32,7 +32,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_staleness_set_live_from_1_to_0_to_inf_holds_at_every_step(tmp_path: Path) -> None:
-    cfg = load_config(RECIPE, overrides=["trainer.steps=150", 'rollout.placement="process"'])
+    overrides = [
+        "trainer.steps=150",
+        'rollout.placement="process"',
+        'weights.overlap="on"',  # "auto" is off on CPU: the bound must hold with it too
+    ]
+    cfg = load_config(RECIPE, overrides=overrides)
     assert cfg.staleness == 1
     run_dir = tmp_path / "run"
     run = asyncio.create_task(cluster.run(cfg, run_dir))
@@ -82,6 +87,11 @@ def _check(cfg: Any, layout: Any) -> None:
     bounds = [r["staleness_bound"] for r in records]
     # The bound each take reported moved 1 -> 0 -> "inf", once each, in that order.
     assert [b for i, b in enumerate(bounds) if i == 0 or bounds[i - 1] != b] == [1, 0, "inf"]
+    # [weights] overlap: a step's publish went on during the next step while
+    # the bound was above 0, never at 0 (where the run is the synchronous loop).
+    assert not any(r["publish_overlapped"] for r in records if r["staleness_bound"] == 0)
+    for bound in (1, "inf"):
+        assert any(r["publish_overlapped"] for r in records if r["staleness_bound"] == bound)
     for r in records:  # every row of every batch within the bound in force at its take
         lags = {int(lag): n for lag, n in r["lag_hist"].items()}
         assert sum(lags.values()) == cfg.trainer.global_batch_size, r
