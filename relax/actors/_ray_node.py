@@ -91,6 +91,9 @@ class _Launcher:
         self._folder: str | None = None
         self._logs: str | None = None
         self._relay: asyncio.Task[None] | None = None
+        # Set once ``spawn`` ran. Another member's launcher may ask ``announced_port`` before
+        # the supervisor's ``spawn`` reached this one (Ray orders no calls across callers).
+        self._spawned = asyncio.Event()
         _node_priority(os.getpid())  # relaying and watching run at the node's priority too
         remove_orphans()  # folders of launchers Ray killed outright on this node
 
@@ -122,6 +125,7 @@ class _Launcher:
             sys.executable, "-c", _CHILD_BOOT, env=env, stdin=asyncio.subprocess.DEVNULL
         )
         nice = _node_priority(self._proc.pid)
+        self._spawned.set()
         if leader is not None:
             self._relay = asyncio.create_task(self._relay_port(leader))
         context = ray.get_runtime_context()
@@ -136,9 +140,10 @@ class _Launcher:
 
     async def announced_port(self) -> int:
         """The port rank 0's child bound its store on, once it wrote it to its folder."""
+        deadline = time.monotonic() + ANNOUNCE_TIMEOUT
+        await asyncio.wait_for(self._spawned.wait(), ANNOUNCE_TIMEOUT)  # asked before spawn
         assert self._folder is not None and self._proc is not None
         port_file = Path(self._folder) / GANG_PORT_FILE
-        deadline = time.monotonic() + ANNOUNCE_TIMEOUT
         # The child is another process writing a file: there is nothing to await but it.
         while not port_file.exists():
             if self._proc.returncode is not None:
@@ -149,12 +154,19 @@ class _Launcher:
         return int(port_file.read_text())
 
     async def _relay_port(self, leader: Any) -> None:
-        # If the leader dies first this raises and the relay ends: the gang ends with it.
-        port = await leader.announced_port.remote()
-        assert self._folder is not None
-        partial = Path(self._folder) / f"{GANG_PORT_FILE}.relay.partial"
-        partial.write_text(str(port))
-        partial.replace(Path(self._folder) / GANG_PORT_FILE)  # atomic: never half a number
+        try:
+            port = await leader.announced_port.remote()
+            assert self._folder is not None
+            partial = Path(self._folder) / f"{GANG_PORT_FILE}.relay.partial"
+            partial.write_text(str(port))
+            partial.replace(Path(self._folder) / GANG_PORT_FILE)  # atomic: never half a number
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            # No port will come (the leader died, or timed out): end this member now, so the
+            # gang fails with a cause instead of waiting out its start timeout.
+            print(f"relax: the gang's rendezvous failed: {exc!r}", file=sys.stderr, flush=True)
+            await self.kill()
 
     def logs(self, offsets: dict[str, int], final: bool = False) -> dict[str, bytes]:
         """The child's log lines past ``offsets``; ``final`` (the child has ended): and once

@@ -505,3 +505,35 @@ def test_a_child_started_at_ray_s_nice_value_gets_the_node_s_back() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.anyio
+async def test_a_gang_leader_asked_for_its_port_before_its_spawn_waits_for_it(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's launcher may ask rank 0's for the store's port before the supervisor's
+    ``spawn`` reached rank 0 (Ray orders no calls across callers): the answer waits for the
+    spawn instead of failing (which left rank 1 without a port until its start timed out)."""
+    import sys
+
+    from relax.actors._ray_node import _Launcher
+    from relax.runfiles import GANG_PORT_FILE
+
+    leader = _Launcher()
+    asked = asyncio.create_task(leader.announced_port())
+    await asyncio.sleep(0.2)  # the question is in before the spawn (the race, made certain)
+    assert not asked.done()
+    # What ``spawn`` does for a gang's rank 0: its folder, its child (which announces the
+    # port its store bound), then it is spawned.
+    leader._folder = str(tmp_path)
+    port_file = tmp_path / GANG_PORT_FILE
+    leader._proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", f"open({str(port_file)!r}, 'w').write('4321'); input()",
+        stdin=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        leader._spawned.set()
+        assert await asyncio.wait_for(asked, 30) == 4321
+    finally:
+        leader._proc.kill()
+        await leader._proc.wait()
