@@ -40,6 +40,8 @@ def plain_snapshot(snap: StatusSnapshot) -> str:
         f"reward {fmt(last.get('reward_mean'))}{average(recent, 'reward_mean')} · "
         f"loss {fmt(last.get('loss'))}{average(recent, 'loss')}"
     )
+    if snap.get("rollouts"):
+        lines.append("rollouts " + rollouts_summary(snap["rollouts"]))
     evaluated = last_eval(snap["run_dir"]) if snap.get("run_dir") else None
     if evaluated is not None:
         lines.append(eval_summary(evaluated))
@@ -81,6 +83,17 @@ def plain_snapshot(snap: StatusSnapshot) -> str:
                 f"{counts.get('lag', 0)}"
             )
     return "\n".join(lines)
+
+
+def rollouts_summary(rollouts: dict[str, Any]) -> str:
+    """``rollout-0 v41 · rollout-1 v40 (starting)``: the weights each replica serves."""
+    parts = []
+    for child, info in rollouts.items():
+        if "error" in info:
+            parts.append(f"{child} (not answering)")
+        else:
+            parts.append(f"{child} v{info.get('version', '?')}")
+    return " · ".join(parts)
 
 
 def eval_summary(record: dict[str, Any]) -> str:

@@ -350,6 +350,15 @@ class StatusApp(App[None]):
         if staleness is not None:
             generation.append(f" · staleness {staleness}", style="")
         row("generation", generation)
+        rollouts = snap.get("rollouts") or {}
+        if rollouts:  # the weights each replica serves: behind ones stand out
+            versions = [i["version"] for i in rollouts.values() if "version" in i]
+            silent = len(rollouts) - len(versions)
+            served = "—"
+            if versions:
+                low, high = min(versions), max(versions)
+                served = f"v{low}" if low == high else f"v{low} to v{high}"
+            row("serving", served + (f"  ({silent} not answering)" if silent else ""))
         row("reward", fmt(last.get("reward_mean")) + average(recent, "reward_mean"))
         row("loss", fmt(last.get("loss")) + average(recent, "loss"))
         evaluated = last_eval(self.run_dir)

@@ -6,7 +6,7 @@ A cluster serves one small RPC endpoint next to its buses and writes where it is
 someone who can read the run folder can steer the run). Requests are plain dicts:
 
 - ``{"op": "status"}`` → the supervisor tree snapshot, both buses' statistics, the trainer's
-  version and its most recent ``metrics.jsonl`` records (and ``metrics_url``, the Prometheus
+  version, the weights version each rollout serves, and its most recent ``metrics.jsonl`` records (and ``metrics_url``, the Prometheus
   endpoint that serves the same numbers, when ``[logging] prometheus`` is on);
 - ``{"op": "restart", "child": ID}`` → restart one child in place;
 - ``{"op": "pause"}`` / ``{"op": "resume"}`` → stop / restart generation (every rollout); the
@@ -44,7 +44,7 @@ from relax.bus import BusClient
 from relax.errors import ClusterNotRunning, RelaxError
 from relax.log import get_logger
 from relax.runfiles import CONTROL_FILE, read_control, set_pause_requested
-from relax.schema import BusStatistics, MetricRecord, StatusSnapshot, TrainerInfo
+from relax.schema import BusStatistics, MetricRecord, RolloutInfo, StatusSnapshot, TrainerInfo
 from relax.transport import Client, Peer, connect, serve
 
 log = get_logger("relax.control")
@@ -111,6 +111,7 @@ class ControlServer:
             "last": records[-1] if records else None,
         }
         return {
+            "rollouts": await self._rollouts(),
             "cluster": self.name,
             "pid": os.getpid(),
             "run_dir": str(self.run_dir),
@@ -123,6 +124,28 @@ class ControlServer:
             "trainer": trainer,
             "metrics": records,
         }
+
+    async def _rollouts(self) -> dict[str, RolloutInfo]:
+        """What each rollout replica serves, asked of all at once (a replica that does not
+        answer within a second, starting or busy restarting, is shown so, not waited for)."""
+
+        async def one(child: str) -> RolloutInfo:
+            try:
+                stats = await self.tree.ref(child).call("statistics", timeout=1.0)
+            except (RelaxError, KeyError) as exc:
+                return {"error": str(exc) or type(exc).__name__}
+            plane = stats.get("weight_plane") or {}
+            info: RolloutInfo = {"version": int(stats.get("version", -1))}
+            if "start_version" in stats:
+                info["start_version"] = int(stats["start_version"])
+            for key in ("via_group", "via_file", "via_bus"):
+                if key in plane:
+                    info[key] = int(plane[key])  # type: ignore[literal-required]
+            return info
+
+        children = list(self.rollouts)
+        found = await asyncio.gather(*(one(child) for child in children))
+        return dict(zip(children, found, strict=True))
 
     async def _handle(self, payload: Any, peer: Peer) -> Any:
         op = payload.get("op") if isinstance(payload, dict) else None

@@ -10,6 +10,7 @@ global one. Metric names (labels in braces):
   ``relax_trainer_<field>`` per numeric field of the newest ``metrics.jsonl`` record
   (``relax_trainer_reward_mean``, ``_loss``, ``_approx_kl``, ``_entropy``,
   ``_step_time_s``, ``_step``, ``_applied`` as 0/1, ...);
+- rollouts: ``relax_rollout_weights_version{rollout}``, the weights each replica serves;
 - evaluation ([eval]): ``relax_eval_version`` and one gauge ``relax_eval_<field>`` per
   ``eval/`` field of the newest ``eval.jsonl`` record (``relax_eval_mean_reward``,
   ``relax_eval_pass_1``, ``relax_eval_pass_k``, ``relax_eval_skipped_versions``, ...);
@@ -143,6 +144,13 @@ def status_metrics(status: StatusSnapshot) -> list[Metric]:
     out.gauge("relax_uptime_seconds", "Seconds since the cluster started.", status.get("uptime_s"))
     out.gauge("relax_paused", "1 while generation is paused (relax pause).", status.get("paused"))
     _trainer(out, status.get("trainer") or {})
+    for rollout, served in (status.get("rollouts") or {}).items():
+        out.gauge(
+            "relax_rollout_weights_version",
+            "The weights version a rollout replica generates with (absent while it starts).",
+            served.get("version"),
+            rollout=str(rollout),
+        )
     if status.get("run_dir"):
         _eval(out, last_eval(str(status["run_dir"])))
     tree = status.get("tree")

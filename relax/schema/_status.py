@@ -149,6 +149,22 @@ class TrainerInfo(TypedDict):
     last: MetricRecord | None
 
 
+class RolloutInfo(TypedDict, total=False):
+    """What one rollout replica serves, or ``{"error": ...}`` when it did not answer (a
+    replica starting or restarting)."""
+
+    version: int
+    """The weights version it generates with."""
+    start_version: int
+    """The version it held before it served anything (an added or restarted replica)."""
+    via_group: int
+    via_file: int
+    via_bus: int
+    """Versions it received over the weight plane's group, from the bus's file, and through
+    the bus."""
+    error: str
+
+
 class StatusSnapshot(TypedDict, total=False):
     """One ``status`` reply: the whole run at one moment."""
 
@@ -163,5 +179,7 @@ class StatusSnapshot(TypedDict, total=False):
     bus: dict[str, BusStatistics]
     """By bus name: ``prompts``, ``samples``."""
     trainer: TrainerInfo
+    rollouts: dict[str, RolloutInfo]
+    """By replica id: the weights each rollout serves (``relax scale`` changes the set)."""
     metrics: list[MetricRecord]
     """The newest ``metrics.jsonl`` records, oldest first."""

@@ -82,6 +82,10 @@ async def test_status_json_against_a_running_cluster(run_dir: Path) -> None:
     assert first["bus"]["samples"]["counters"]["put"] > 0
     assert set(first["bus"]["samples"]["tasks"]) >= {"reward", "train"}
     assert first["metrics"] and first["paused"] is False
+    # The weights each rollout serves: a published version, from the bus's file here.
+    served = first["rollouts"]["rollout-0"]
+    assert served["version"] >= 0 and served["start_version"] >= 0, served
+    assert served["version"] <= first["trainer"]["version"] + 1, served
 
     version = first["trainer"]["version"]
     await wait_until(lambda: _version_above(run_dir, version), 60, "the trainer to move on")
@@ -98,6 +102,7 @@ async def test_status_into_a_pipe_prints_one_plain_snapshot_and_exits(run_dir: P
     lines = out.splitlines()
     assert lines[0].startswith("cluster st · run folder ")
     assert re.search(r"^trainer version [1-9]\d* · step \d+ · reward ", out, re.M), out
+    assert re.search(r"^rollouts rollout-0 v\d+$", out, re.M), out
     for role in ROLES - {"prompts", "samples"}:
         assert re.search(rf"^  {role} +running ", out, re.M), (role, out)
     assert re.search(r"^bus samples +rows \d+/\d+", out, re.M), out
@@ -154,6 +159,7 @@ async def test_dashboard_shows_crashes_restarts_pause_and_stop(run_dir: Path) ->
 
         # `+` adds a rollout replica; `-` drains it and takes it out of the tree again.
         assert "1 rollout ·" in _trainer_panel(app)
+        assert re.search(r"serving +v\d+", _trainer_panel(app)), _trainer_panel(app)
         await pilot.press("plus")
         await wait_until(
             lambda: (

@@ -106,6 +106,7 @@ STATUS: dict[str, Any] = {
             "version": 4.0,
         },
     },
+    "rollouts": {"rollout-0": {"version": 4, "via_file": 3}, "rollout-1": {"error": "starting"}},
     "metrics": [],
 }
 
@@ -118,6 +119,9 @@ def test_status_exposition() -> None:
     assert value(samples, "relax_paused") == 0
     # The trainer: its version and the newest record's numbers.
     assert value(samples, "relax_trainer_version") == 4
+    # The weights each rollout serves; one that did not answer is left out, not made up.
+    assert value(samples, "relax_rollout_weights_version", rollout="rollout-0") == 4
+    assert ("relax_rollout_weights_version", frozenset({("rollout", "rollout-1")})) not in samples
     for field, expected in [("reward_mean", 0.5), ("loss", -0.25), ("approx_kl", 0.01)]:
         assert value(samples, f"relax_trainer_{field}") == expected
     assert value(samples, "relax_trainer_step_time_s") == 0.1
