@@ -373,8 +373,11 @@ class WeightSubscriber:
                     "wait": poll,
                     "member": self.member,
                     # The newest publish taken part in is skipped, not its version: a
-                    # restarted trainer publishes that version again, under a new id.
-                    "pending_after": max(after, self._handled[0] - 1),
+                    # restarted trainer publishes that version again, under a new id. And a
+                    # publish of the version we hold already (the trainer's first, of the
+                    # weights every rollout starts from) is taken part in too: the group is
+                    # formed with us, and would wait its join timeout for us otherwise.
+                    "pending_after": max(after - 1, self._handled[0] - 1),
                     "pending_skip": self._handled[1],
                     "local": self._local,
                 },
@@ -386,6 +389,8 @@ class WeightSubscriber:
                 continue
             if not head.get("committed"):
                 await self._receive(head)
+                if self._received is not None and self._received.version <= after:
+                    self._received = None  # taken part in for the others; we hold it already
                 continue
             got = self._received
             self._received = None

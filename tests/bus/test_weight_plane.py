@@ -405,3 +405,37 @@ async def test_receivers_that_can_read_the_bus_s_file_read_it_verified_and_leave
             await a.aclose()
             await b.aclose()
             await pub.aclose()
+
+
+async def test_a_publish_of_the_version_a_receiver_holds_does_not_wait_for_it(bus) -> None:
+    """The trainer's first publish is of the weights every rollout starts from (version 0,
+    which they hold already): a receiver polling then is in its group and takes part, so the
+    publish does not wait out ``join_timeout`` for it (CI saw a run stall there)."""
+    opts = PlaneOptions(
+        bucket_bytes=1 << 20,
+        join_timeout=20.0,
+        timeout=20.0,
+        stall_timeout=2.0,
+        lease=30.0,
+        local_file=False,
+    )
+    async with (
+        await BusClient.connect(bus) as trainer_bus,
+        await BusClient.connect(bus) as bus_a,
+    ):
+        pub = WeightPublisher(trainer_bus, opts)
+        a = WeightSubscriber(bus_a, "a", opts)
+        try:
+            wait = asyncio.create_task(a.next(0, wait=60))  # it holds version 0
+            await wait_until(lambda: _members_are(trainer_bus, ["a"], opts.lease), what="a")
+            started = asyncio.get_running_loop().time()
+            assert await pub.publish(0, state_dict(0)) == 1  # over the group, with a
+            assert asyncio.get_running_loop().time() - started < 10  # no join timeout (20 s)
+            assert not wait.done()  # version 0 is not news to it
+            assert await pub.publish(1, state_dict(1)) == 1
+            got = await wait
+            assert got is not None and got[0] == 1 and same(got[1], state_dict(1))
+            assert a.statistics()["via_group"] == 1
+        finally:
+            await a.aclose()
+            await pub.aclose()
