@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -124,6 +125,14 @@ def lag_histogram(trainer_version: int, versions: list[int]) -> dict[str, int]:
     (JSON object keys), in ascending lag."""
     lags = sorted(trainer_version - v for v in versions)
     return {str(lag): lags.count(lag) for lag in dict.fromkeys(lags)}
+
+
+@functools.cache
+def _has_gpu() -> bool:
+    """Asked once per process (every step asks ``_overlaps``)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 class TrainerRole(LearnerRole):
@@ -328,9 +337,7 @@ class TrainerRole(LearnerRole):
         and a staleness-0 run stays the synchronous loop, step for step)."""
         wanted = self.cfg.weights.overlap
         if wanted == "auto":
-            import torch
-
-            wanted = "on" if torch.cuda.is_available() else "off"
+            wanted = "on" if _has_gpu() else "off"
         return wanted == "on" and batch.staleness not in (0, None)
 
     async def _train_once(self, bus: Any, size: int, columns: tuple[str, ...]) -> None:

@@ -521,8 +521,8 @@ async def test_a_gang_leader_asked_for_its_port_before_its_spawn_waits_for_it(
 
     leader = _Launcher()
     asked = asyncio.create_task(leader.announced_port())
-    await asyncio.sleep(0.2)  # the question is in before the spawn (the race, made certain)
-    assert not asked.done()
+    await asyncio.sleep(0)  # one turn: the question runs up to its first wait, before spawn
+    assert not asked.done()  # (the old code failed right there, the relay dying with it)
     # What ``spawn`` does for a gang's rank 0: its folder, its child (which announces the
     # port its store bound), then it is spawned.
     leader._folder = str(tmp_path)

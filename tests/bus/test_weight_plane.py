@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -170,9 +171,7 @@ async def test_a_receiver_sigkilled_mid_transfer_fails_that_transfer_and_the_res
     """200 MB to two receivers; one (its own process) is SIGKILLed mid-transfer: the publish
     returns within the stall timeout, the other receiver gets the version, the next version
     goes over a group without the dead one, and a restarted receiver catches up."""
-    big = PlaneOptions(
-        bucket_bytes=16 << 20, timeout=20.0, stall_timeout=2.0, lease=2.0, local_file=False
-    )
+    big = replace(FAST, bucket_bytes=16 << 20)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     async def spawn(member: str) -> asyncio.subprocess.Process:
@@ -245,14 +244,7 @@ async def test_a_receiver_that_died_idle_costs_one_join_timeout_and_is_left_out_
     """SIGKILLed between versions, inside its lease: the next group waits for it only
     ``join_timeout``, that version reaches the live receiver from the bus, and the version
     after forms the group without the dead one."""
-    opts = PlaneOptions(
-        bucket_bytes=1 << 20,
-        join_timeout=2.0,
-        timeout=20.0,
-        stall_timeout=2.0,
-        lease=30.0,
-        local_file=False,
-    )
+    opts = replace(FAST, join_timeout=2.0, lease=30.0)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     args = ["-m", "tests.bus.weight_plane_peer", bus, "idle", str(opts.lease), "group"]
     victim = await asyncio.create_subprocess_exec(
@@ -291,14 +283,7 @@ async def test_a_receiver_that_leaves_is_out_of_the_next_group_at_once(bus) -> N
     """A rollout stopped on purpose (drained, scaled away) leaves: the next version's group
     is formed without it, with no join timeout waited — even though a poll of its was still
     waiting at the bus when it left (that poll must not make it a member again)."""
-    opts = PlaneOptions(
-        bucket_bytes=1 << 20,
-        join_timeout=20.0,
-        timeout=20.0,
-        stall_timeout=2.0,
-        lease=60.0,
-        local_file=False,
-    )
+    opts = replace(FAST, join_timeout=20.0, lease=60.0)
     async with (
         await BusClient.connect(bus) as trainer_bus,
         await BusClient.connect(bus) as bus_a,
@@ -338,9 +323,7 @@ async def test_receivers_that_can_read_the_bus_s_file_read_it_verified_and_leave
     bucket by bucket against the publisher's checksums) and the group carries bytes only to
     the receivers that cannot; a file that is not there, or not the same bytes, costs only
     the fast path."""
-    local = PlaneOptions(
-        bucket_bytes=1 << 20, timeout=20.0, stall_timeout=2.0, lease=2.0, local_file=True
-    )
+    local = replace(FAST, local_file=True)
     async with (
         await BusClient.connect(bus) as trainer_bus,
         await BusClient.connect(bus) as bus_a,
@@ -411,14 +394,7 @@ async def test_a_publish_of_the_version_a_receiver_holds_does_not_wait_for_it(bu
     """The trainer's first publish is of the weights every rollout starts from (version 0,
     which they hold already): a receiver polling then is in its group and takes part, so the
     publish does not wait out ``join_timeout`` for it (CI saw a run stall there)."""
-    opts = PlaneOptions(
-        bucket_bytes=1 << 20,
-        join_timeout=20.0,
-        timeout=20.0,
-        stall_timeout=2.0,
-        lease=30.0,
-        local_file=False,
-    )
+    opts = replace(FAST, join_timeout=20.0, lease=30.0)
     async with (
         await BusClient.connect(bus) as trainer_bus,
         await BusClient.connect(bus) as bus_a,

@@ -246,6 +246,15 @@ def applied_steps(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in read_metrics(run_dir) if r["applied"]]
 
 
+def at_step(run: Any, run_dir: Path, n: int) -> bool:
+    """Whether a run still going (``run``: its task) has applied ``n`` steps; raises what it
+    raised, or that it ended first (a wait on it then fails at once, not at its timeout)."""
+    if run.done():
+        run.result()
+        raise AssertionError(f"the run ended before step {n}")
+    return len(applied_steps(run_dir)) >= n
+
+
 def check_metrics(records: list[dict[str, Any]], steps: int) -> tuple[list[int], int]:
     """Versions never go backwards and every step 1..steps was applied.
 

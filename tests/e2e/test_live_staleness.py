@@ -16,6 +16,7 @@ import pytest
 from relax import cluster
 from relax.config import load_config
 from relax.control import control_request
+from tests.e2e import audit
 from tests.e2e.audit import (
     applied_steps,
     check_exactly_once,
@@ -56,11 +57,8 @@ async def test_staleness_set_live_from_1_to_0_to_inf_holds_at_every_step(tmp_pat
 
 
 async def _change_twice(run: asyncio.Task, run_dir: Path) -> None:
-    async def at_step(n: int) -> bool:
-        if run.done():
-            run.result()
-            raise AssertionError(f"the run ended before step {n}")
-        return len(applied_steps(run_dir)) >= n
+    def at_step(n: int) -> bool:
+        return audit.at_step(run, run_dir, n)
 
     await wait_until(lambda: at_step(10), timeout=240, what="10 steps")
     cli = await asyncio.create_subprocess_exec(

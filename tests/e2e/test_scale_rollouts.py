@@ -19,6 +19,7 @@ import pytest
 from relax import cluster
 from relax.config import load_config
 from relax.control import control_request
+from tests.e2e import audit
 from tests.e2e.audit import applied_steps, check_stopped_run, read_metrics, replay_samples_bus
 from tests.polling import wait_until
 
@@ -67,11 +68,8 @@ async def _stats(tree: Any, child: str) -> dict[str, Any]:
 
 
 async def _scale_up_and_down(tree: Any, finished: asyncio.Task, run_dir: Path) -> None:
-    async def at_step(n: int) -> bool:
-        if finished.done():
-            finished.result()
-            raise AssertionError(f"the run ended before step {n}")
-        return len(applied_steps(run_dir)) >= n
+    def at_step(n: int) -> bool:
+        return audit.at_step(finished, run_dir, n)
 
     await wait_until(lambda: at_step(5), timeout=240, what="5 steps")
     version = (await _status(run_dir))["trainer"]["version"]
@@ -88,7 +86,7 @@ async def _scale_up_and_down(tree: Any, finished: asyncio.Task, run_dir: Path) -
     ]
 
     async def serving(child: str) -> bool:
-        await at_step(0)
+        at_step(0)
         stats = await _stats(tree, child)
         plane = stats.get("weight_plane") or {}
         return stats.get("requests", 0) > 0 and plane.get("via_group", 0) >= 1
@@ -119,7 +117,7 @@ async def _scale_up_and_down(tree: Any, finished: asyncio.Task, run_dir: Path) -
     down_at = time.time()
 
     async def a_lease_later() -> bool:
-        await at_step(0)
+        at_step(0)
         steps = applied_steps(run_dir)
         return len(steps) >= at_down + 10 and steps[-1]["time"] > down_at + LEASE + 1
 
