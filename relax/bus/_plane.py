@@ -41,6 +41,17 @@ from pathlib import Path
 from typing import Any
 
 from relax.bus._client import Batch, BusClient, _buckets
+from relax.bus._plane_routes import (
+    HANDLE_BYTES,
+    choose_route,
+    gpu_of,
+    open_shared,
+    pack_bucket,
+    share,
+    slots,
+    this_process,
+    unpack_bucket,
+)
 from relax.bus._weights import write_version_file
 from relax.errors import BusError, TransportError, UploadLost, VersionGone, WeightsCorrupt
 from relax.log import get_logger
@@ -89,19 +100,19 @@ class PlaneOptions:
     lease: float = 10.0
     """Seconds after its last poll that a receiver still counts as a member."""
     device: str | None = None
-    """The group's device (``None``: CUDA when available, else CPU)."""
+    """The group's device, forced (``None``: the publisher picks a route per group from the
+    receivers' GPUs, ``relax.bus._plane_routes.choose_route``)."""
     local_file: bool | None = None
     """Receivers that can read the bus's weight file read committed versions there, verified,
-    and the group leaves them out (``None``: when the group would run on CPU)."""
+    and the group leaves them out (``None``: a receiver whose engine is on CPU)."""
 
-    def reads_local_file(self) -> bool:
+    def reads_local_file(self, gpu: str | None = None) -> bool:
+        """Whether a receiver whose engine is on ``gpu`` reads the bus's file when it can."""
         if self.local_file is not None:
             return self.local_file
         if self.device is not None:
             return not self.device.startswith("cuda")
-        import torch
-
-        return not torch.cuda.is_available()
+        return gpu is None
 
 
 def plane_host(bus_url: str) -> str:
@@ -138,12 +149,22 @@ def _layout(bucket: dict[str, Any]) -> list[list[Any]]:
 class WeightPublisher:
     """The trainer's side: publishes each version to the current receivers over a group."""
 
-    def __init__(self, bus: BusClient, options: PlaneOptions = PlaneOptions()) -> None:
+    def __init__(
+        self, bus: BusClient, options: PlaneOptions = PlaneOptions(), *, device: Any = None
+    ) -> None:
+        """``device``: where the trainer's weights live (its GPU decides the routes)."""
         self._bus, self._opts = bus, options
         self._log = get_logger("weights")
         self._port: int | None = None
         self._group: Any = None
         self._members: list[str] = []
+        self._device = device
+        self._gpu = gpu_of(device)
+        self._route = "gloo"
+        # Route "ipc": the bucket buffer shared with the receivers, and its handle message.
+        self._staging: Any = None
+        self._staging_handle: Any = None
+        self._pack_stream: Any = None
         self._epoch = 0
         self._file_ok = True  # False once the bus could not find a file written here
         self._failed_at: float | None = None  # when the last transfer failed
@@ -154,12 +175,22 @@ class WeightPublisher:
             "epochs": 0,
             "last_publish_s": 0.0,
             "last_transfer_s": 0.0,
+            # Seconds, summed over publishes: checksums, and (route "ipc") packing buckets
+            # into the staging buffer and waiting for the receivers to copy them out.
+            "digest_s": 0.0,
+            "ipc_pack_s": 0.0,
+            "ipc_wait_s": 0.0,
             "last_failure": None,
         }
 
     def statistics(self) -> dict[str, Any]:
         group = self._group.statistics() if self._group is not None else None
-        return {**self._stats, "members": list(self._members), "group": group}
+        return {
+            **self._stats,
+            "members": list(self._members),
+            "route": self._route,
+            "group": group,
+        }
 
     async def publish(
         self, version: int, state: dict[str, Any], *, ack: Batch | None = None
@@ -170,16 +201,28 @@ class WeightPublisher:
         digests = await asyncio.to_thread(
             lambda: [bucket_digest(list(b.values())) for b in buckets]
         )
+        self._stats["digest_s"] += time.monotonic() - started
         lease = self._opts.lease
         if self._failed_at is not None:
             # After a failed transfer only the receivers that polled since count: the one that
             # died (whose lease has not run out yet) would make the next group wait for it.
             lease = min(lease, time.monotonic() - self._failed_at)
             self._failed_at = None
-        members = list(await self._bus._call({"op": "w_members", "lease": lease}))
-        if members != self._members or (self._group is None and members):
+        places = await self._bus._call({"op": "w_members", "lease": lease, "places": True})
+        members = sorted(places)
+        import torch.distributed as dist
+
+        route = choose_route(
+            self._gpu,
+            {m: place.get("gpu") for m, place in places.items()},
+            forced=self._opts.device,
+            nccl=dist.is_nccl_available(),
+            same_process=[m for m, place in places.items() if place.get("proc") == this_process()],
+        )
+        changed = members != self._members or route != self._route
+        if changed or (self._group is None and members):
             await self._close_group()
-            self._members = members
+            self._members, self._route = members, route
             if members:
                 self._epoch += 1
                 self._stats["epochs"] += 1
@@ -257,7 +300,17 @@ class WeightPublisher:
             self._port = reserve_named_store(self._opts.host, limit)
         host = f"[{self._opts.host}]" if ":" in self._opts.host else self._opts.host
         url = f"nccl://{host}:{self._port}/weights-{self._epoch}"
-        return {"url": url, "epoch": self._epoch, "members": list(self._members)}
+        return {
+            "url": url,
+            "epoch": self._epoch,
+            "members": list(self._members),
+            "route": self._route,
+        }
+
+    def _group_device(self) -> str:
+        if self._route == "nccl":
+            return self._opts.device or str(self._device)
+        return "cpu"  # gloo, and ipc's control group (handles and barriers only)
 
     async def _transfer(self, buckets: list[dict[str, Any]]) -> bool:
         from relax.transport import open_group
@@ -265,18 +318,26 @@ class WeightPublisher:
         began = time.monotonic()
         try:
             if self._group is None:
-                self._log.info("forming the weight group", epoch=self._epoch, members=self._members)
+                self._log.info(
+                    "forming the weight group",
+                    epoch=self._epoch,
+                    members=self._members,
+                    route=self._route,
+                )
                 self._group = await open_group(
                     self._group_info()["url"],
                     rank=0,
                     world_size=len(self._members) + 1,
                     timeout=self._opts.join_timeout,
                     stall_timeout=self._opts.stall_timeout,
-                    device=self._opts.device,
+                    device=self._group_device(),
                 )
             for bucket in buckets:
                 tensors = list(bucket.values())
-                await self._group.broadcast_bucket(tensors, src=0, timeout=self._opts.timeout)
+                if self._route == "ipc":
+                    await self._hand_over(bucket)
+                else:
+                    await self._group.broadcast_bucket(tensors, src=0, timeout=self._opts.timeout)
         except TransportError as exc:
             # A receiver died or hung: the others fetch this version from the bus, the group is
             # formed again (without the dead, once its lease ran out) at the next version.
@@ -292,6 +353,31 @@ class WeightPublisher:
             return False
         self._stats["last_transfer_s"] = time.monotonic() - began
         return True
+
+    async def _hand_over(self, bucket: dict[str, Any]) -> None:
+        """Route "ipc": one bucket, packed into the staging buffer on this GPU, which every
+        receiver maps (they copy it out device to device); refilled once all of them passed
+        the barrier."""
+        import torch
+
+        layout = _layout(bucket)
+        _, total = slots(layout)
+        if self._staging is None or self._staging.numel() < total:
+            self._staging = self._staging_handle = None  # a bucket bigger than any so far
+            size = max(total, self._opts.bucket_bytes)
+            self._staging = torch.empty(size, dtype=torch.uint8, device=self._device)
+            self._staging_handle = share(self._staging)
+            if self._pack_stream is None:
+                self._pack_stream = torch.cuda.Stream(self._staging.device)
+        began = time.perf_counter()
+        await asyncio.to_thread(
+            pack_bucket, self._staging, list(bucket.values()), layout, self._pack_stream
+        )
+        packed = time.perf_counter()
+        await self._group.broadcast([self._staging_handle], src=0, timeout=self._opts.timeout)
+        await self._group.barrier(timeout=self._opts.timeout)
+        self._stats["ipc_pack_s"] += packed - began
+        self._stats["ipc_wait_s"] += time.perf_counter() - packed
 
     async def _store(
         self, version: int, meta: dict[str, Any], buckets: list[dict[str, Any]], file: Any
@@ -311,6 +397,8 @@ class WeightPublisher:
 
     async def _close_group(self) -> None:
         group, self._group = self._group, None
+        # The old group's receivers may still map it: CUDA keeps it until they let go.
+        self._staging = self._staging_handle = None
         if group is not None:
             await group.aclose()
 
@@ -332,12 +420,18 @@ class WeightSubscriber:
         options: PlaneOptions = PlaneOptions(),
         *,
         poll_wait: float | None = None,
+        device: Any = None,
     ) -> None:
+        """``device``: where the engine's weights live; a CUDA one is reported to the
+        publisher (it picks the route by it) and receives the tensors there."""
         self._bus, self.member, self._opts = bus, member, options
+        self._device = device
+        self._gpu = gpu_of(device)
         # Polls are the lease's heartbeat: well inside it.
         self._poll_wait = poll_wait if poll_wait is not None else options.lease / 2
         self._log = get_logger("weights")
         self._group: Any = None
+        self._mapped: tuple[bytes, Any] | None = None  # route "ipc": (handle, its mapping)
         self._epoch: int | None = None
         # The newest pending publish taken part in (or given up on): (version, publish id).
         self._handled: tuple[int, str | None] = (-1, None)
@@ -345,7 +439,7 @@ class WeightSubscriber:
         # Reads committed versions from the bus's own file (this machine, or a shared file
         # system), so the group leaves it out: learnt by reading one, verified, from there.
         self._local = False
-        self._reads_file = options.reads_local_file()
+        self._reads_file = options.reads_local_file(self._gpu)
         self._probed_at = -math.inf
         self._stats: dict[str, Any] = {
             "via_group": 0,
@@ -354,6 +448,11 @@ class WeightSubscriber:
             "corrupt": 0,
             "transfer_failures": 0,
             "last_failure": None,
+            # Seconds, summed: in the group's collectives, checking buckets, and (route
+            # "ipc") copying buckets out of the publisher's staging buffer.
+            "collective_s": 0.0,
+            "digest_s": 0.0,
+            "ipc_copy_s": 0.0,
         }
 
     def statistics(self) -> dict[str, Any]:
@@ -380,6 +479,8 @@ class WeightSubscriber:
                     "pending_after": max(after - 1, self._handled[0] - 1),
                     "pending_skip": self._handled[1],
                     "local": self._local,
+                    "gpu": self._gpu,
+                    "proc": this_process(),
                 },
                 poll,
             )
@@ -409,6 +510,7 @@ class WeightSubscriber:
 
     async def aclose(self) -> None:
         group, self._group = self._group, None
+        self._mapped = None
         if group is not None:
             await group.aclose()
 
@@ -447,14 +549,25 @@ class WeightSubscriber:
                     size=self._group.world_size,
                     backend=self._group.backend,
                 )
+            route = info.get("route", "gloo")
+            where = self._device if route == "nccl" else "cpu"
             state: dict[str, Any] = {}
             corrupt: list[int] = []
             for index, layout in enumerate(meta["layout"]):
-                buffers = [torch.empty(s, dtype=getattr(torch, d)) for _, d, s in layout]
-                await self._group.broadcast_bucket(buffers, src=0, timeout=self._opts.timeout)
+                began = time.perf_counter()
+                if route == "ipc":
+                    buffers = await self._take_over(layout)
+                else:
+                    buffers = [
+                        torch.empty(s, dtype=getattr(torch, d), device=where) for _, d, s in layout
+                    ]
+                    await self._group.broadcast_bucket(buffers, src=0, timeout=self._opts.timeout)
+                received = time.perf_counter()
+                self._stats["collective_s"] += received - began
                 # Every bucket is taken part in even after a bad one: the ranks stay in step.
                 if await asyncio.to_thread(bucket_digest, buffers) != int(meta["digests"][index]):
                     corrupt.append(index)
+                self._stats["digest_s"] += time.perf_counter() - received
                 state.update({name: t for (name, _, _), t in zip(layout, buffers, strict=True)})
             if corrupt:
                 raise WeightsCorrupt(
@@ -488,14 +601,44 @@ class WeightSubscriber:
     async def _open(self, info: dict[str, Any]) -> Any:
         from relax.transport import open_group
 
+        nccl = info.get("route") == "nccl"
         return await open_group(
             info["url"],
             rank=info["members"].index(self.member) + 1,
             world_size=len(info["members"]) + 1,
             timeout=self._opts.join_timeout,
             stall_timeout=self._opts.stall_timeout,
-            device=self._opts.device or "cpu",
+            device=(self._opts.device or str(self._device)) if nccl else "cpu",
         )
+
+    async def _take_over(self, layout: list[list[Any]]) -> list[Any]:
+        """Route "ipc": map the publisher's bucket, copy it out on this GPU, then pass the
+        barrier that lets the publisher free it (passed even when the copy failed, so the
+        publisher is not kept waiting; the failure is raised after)."""
+        import torch
+
+        handle = torch.empty(HANDLE_BYTES, dtype=torch.uint8)
+        await self._group.broadcast([handle], src=0, timeout=self._opts.timeout)
+
+        def copy() -> list[Any]:
+            key = handle.numpy().tobytes()
+            if self._mapped is None or self._mapped[0] != key:
+                self._mapped = None  # the publisher's buffer was replaced: let the old go
+                self._mapped = (key, open_shared(handle))
+            shared = self._mapped[1]
+            tensors = unpack_bucket(shared, layout)
+            torch.cuda.current_stream(shared.device).synchronize()
+            return tensors
+
+        began = time.perf_counter()
+        try:
+            tensors = await asyncio.to_thread(copy)
+        except Exception as exc:
+            await self._group.barrier(timeout=self._opts.timeout)
+            raise TransportError(f"cannot map the publisher's bucket over CUDA IPC: {exc}") from exc
+        self._stats["ipc_copy_s"] += time.perf_counter() - began
+        await self._group.barrier(timeout=self._opts.timeout)
+        return tensors
 
     async def _from_file(self, head: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
         """A committed version read from the bus's file where this receiver can read it,

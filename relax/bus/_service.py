@@ -97,6 +97,8 @@ class BusService(Actor):
         # Receivers that read committed versions from this bus's folder (same machine, or a
         # shared file system): the group carries bytes only to the others.
         self.weight_local: set[str] = set()
+        # member -> where it receives: {"gpu": its engine's GPU or None, "proc": its process}
+        self.weight_places: dict[str, dict[str, str | None]] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -424,6 +426,11 @@ class BusService(Actor):
         member = None if member is None or str(member) in self.weight_left else str(member)
         if member is not None:
             self.weight_members[member] = time.monotonic()
+            gpu, proc = req.get("gpu"), req.get("proc")
+            self.weight_places[member] = {
+                "gpu": None if gpu is None else str(gpu),
+                "proc": None if proc is None else str(proc),
+            }
             if req.get("local"):
                 self.weight_local.add(member)
             else:
@@ -440,17 +447,27 @@ class BusService(Actor):
         member = str(req["member"])
         self.weight_left.add(member)
         self.weight_local.discard(member)
+        self.weight_places.pop(member, None)
         return self.weight_members.pop(member, None) is not None
 
-    async def _op_w_members(self, req: dict[str, Any], peer: Peer) -> list[str]:
+    async def _op_w_members(
+        self, req: dict[str, Any], peer: Peer
+    ) -> list[str] | dict[str, dict[str, str | None]]:
         """The weight plane's receivers that polled within ``lease`` seconds and need the
-        bytes sent (not those reading this bus's folder), sorted."""
+        bytes sent (not those reading this bus's folder), sorted; with ``places``, a map of
+        each to where it receives: the GPU (UUID) its engine is on, or ``None``, and its
+        process."""
         horizon = time.monotonic() - float(req.get("lease", 10.0))
         for member, seen in list(self.weight_members.items()):
             if seen < horizon:
                 del self.weight_members[member]
                 self.weight_local.discard(member)
-        return sorted(set(self.weight_members) - self.weight_local)
+                self.weight_places.pop(member, None)
+        members = sorted(set(self.weight_members) - self.weight_local)
+        if req.get("places"):
+            empty = {"gpu": None, "proc": None}
+            return {member: self.weight_places.get(member, empty) for member in members}
+        return members
 
     async def _op_w_get(self, req: dict[str, Any], peer: Peer) -> dict[str, Any]:
         return self.weights.get_bucket(int(req["version"]), int(req["index"]))

@@ -233,7 +233,7 @@ class WeightsConfig(ConfigModel):
     """``[weights]``: how each published policy version reaches the rollouts (the weight plane)."""
 
     transport: Literal["group", "bus"] = "group"
-    """"group": the trainer sends each version to the rollouts over a tensor group (gloo on CPU, NCCL on GPUs), bucket by bucket with a checksum each; the bus carries only the announcement and the commit, and serves the trainer's copy (written into the run folder) to rollouts that join later or whose transfer failed. "bus": every byte through the bus (slower; for a trainer that shares no file system with the bus, "group" falls back to it by itself)."""
+    """"group": the trainer sends each version to the rollouts over a tensor group (gloo on CPU, NCCL between GPUs, CUDA IPC to rollouts on the trainer's own GPU: picked per group from where each rollout's engine is), bucket by bucket with a checksum each; the bus carries only the announcement and the commit, and serves the trainer's copy (written into the run folder) to rollouts that join later or whose transfer failed. "bus": every byte through the bus (slower; for a trainer that shares no file system with the bus, "group" falls back to it by itself)."""
     bucket_mb: PositiveInt = 64
     """Size, in MiB, of the buckets a version is sent in (one collective and one checksum each; the trainer's extra memory during a publish is about one bucket)."""
     join_timeout: Seconds = 10.0
@@ -247,7 +247,7 @@ class WeightsConfig(ConfigModel):
     overlap: Literal["auto", "on", "off"] = "auto"
     """Publish each version while the trainer takes and computes the next step, instead of before it (the weights are a copy, so the step cannot change them mid-publish); versions still commit in order, each with the ack of its rows. Only while the staleness bound is above 0: at 0 the next batch needs rollouts on the new version anyway, and a staleness-0 run stays the synchronous loop. Staleness is counted from the trainer's own version meanwhile, so the bound holds as without overlap. "auto": on when the trainer has a GPU (the transfer then runs beside the step's kernels); off on CPU, where the publish's copies and checksums take the same cores the step needs (measured 0.89-0.95x, bench/publish_overlap.py)."""
     local_file: Literal["auto", "on", "off"] = "auto"
-    """Whether a rollout that can read the samples bus's weight files (the same machine, or a shared file system) reads each committed version there (every bucket checked against the trainer's checksum) instead of receiving it over the group, which then carries bytes only to the others. "auto": on where the group would run on CPU (gloo over TCP is several times slower than a file in the page cache), off with CUDA (NCCL is faster than any file)."""
+    """Whether a rollout that can read the samples bus's weight files (the same machine, or a shared file system) reads each committed version there (every bucket checked against the trainer's checksum) instead of receiving it over the group, which then carries bytes only to the others. "auto": on for a rollout whose engine is on CPU (gloo over TCP is several times slower than a file in the page cache), off for one on a GPU (NCCL, or CUDA IPC on the trainer's own GPU, are faster than any file)."""
 
 
 # --------------------------------------------------------------------------- [model]
@@ -256,8 +256,8 @@ class WeightsConfig(ConfigModel):
 class ModelInitConfig(ConfigModel):
     """``[model.init]``: a small randomly initialised model, built on the spot (no download)."""
 
-    arch: Literal["qwen2", "llama", "qwen2_5_omni"] = "qwen2"
-    """Architecture: "qwen2" or "llama" (text), or "qwen2_5_omni" (a Qwen2.5-Omni thinker: text decoder of these sizes plus tiny vision and audio towers, with an offline processor for images, audio and video)."""
+    arch: Literal["qwen2", "llama", "qwen3_moe", "qwen2_5_omni"] = "qwen2"
+    """Architecture: "qwen2" or "llama" (dense text), "qwen3_moe" (a Qwen3-MoE mixture of experts: every block's MLP is `num_experts` experts, `num_experts_per_tok` of them per token), or "qwen2_5_omni" (a Qwen2.5-Omni thinker: text decoder of these sizes plus tiny vision and audio towers, with an offline processor for images, audio and video)."""
     hidden_size: PositiveInt = 64
     """Width of the hidden state; a multiple of `num_heads`."""
     num_layers: PositiveInt = 2
@@ -274,10 +274,21 @@ class ModelInitConfig(ConfigModel):
     """Longest sequence (prompt + response) the model supports."""
     seed: int = 0
     """Seed of the random initial weights."""
+    num_experts: PositiveInt = 8
+    """Experts per MoE block ("qwen3_moe" only)."""
+    num_experts_per_tok: PositiveInt = 2
+    """Experts each token is routed to, the router's top-k ("qwen3_moe" only)."""
+    moe_intermediate_size: PositiveInt | None = None
+    """Width of each expert's hidden layer ("qwen3_moe" only); unset: `intermediate_size`."""
 
     @model_validator(mode="after")
     def _shapes_fit(self) -> ModelInitConfig:
         problems = Problems()
+        if self.num_experts_per_tok > self.num_experts:
+            problems.add(
+                "num_experts_per_tok",
+                f"must be at most num_experts ({self.num_experts}), got {self.num_experts_per_tok}",
+            )
         if self.hidden_size % self.num_heads:
             problems.add(
                 "hidden_size",

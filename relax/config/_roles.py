@@ -13,7 +13,7 @@ import string
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from relax.config._base import (
     AsTuple,
@@ -243,7 +243,9 @@ class RolloutConfig(RoleConfig):
     """``[rollout]``: the role that generates responses with the current policy weights."""
 
     engine: Literal["hf", "vllm"] = "hf"
-    """Generation backend: "hf" (Hugging Face `generate`, runs on CPU) or "vllm" (GPU)."""
+    """Generation backend: "hf" (Hugging Face `generate`, on `device`) or "vllm" (GPU)."""
+    device: Device = "auto"
+    """Where the "hf" engine runs: "auto" (the first GPU the replica sees, else the CPU), "cpu", "cuda" or "cuda:N". On the trainer's GPU (one GPU for both), published weights reach it by CUDA IPC, device to device. vLLM places itself."""
     max_new_tokens: PositiveInt = 64
     """Most tokens generated per response."""
     temperature: NonNegativeFloat = 1.0
@@ -295,6 +297,15 @@ RewardKind = Literal[
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
+def _device_form(value: str) -> str:
+    if not _DEVICE.match(value):
+        raise value_error(f'must be "auto", "cpu", "cuda" or "cuda:N", got {show(value)}')
+    return value
+
+
+Device = Annotated[str, AfterValidator(_device_form)]
+
+
 class RewardModelConfig(ConfigModel):
     """``[reward.functions.model]``: the model a "reward_model" or "judge" function loads, once per reward replica (so `reward.placement` and `[reward.ray]` decide which GPU or node it sits on)."""
 
@@ -306,15 +317,8 @@ class RewardModelConfig(ConfigModel):
     """Tokens the model reads at most per sample (prompt + response, or the judge's filled-in template); a longer text keeps its last `max_length` tokens, the end of the response."""
     dtype: Dtype = "float32"
     """Dtype the weights are loaded in: "float32", "bfloat16" or "float16"."""
-    device: str = "auto"
+    device: Device = "auto"
     """Where the model runs: "auto" (the first GPU the replica sees, else the CPU), "cpu", "cuda" or "cuda:N"."""
-
-    @field_validator("device")
-    @classmethod
-    def _device_form(cls, value: str) -> str:
-        if not _DEVICE.match(value):
-            raise value_error(f'must be "auto", "cpu", "cuda" or "cuda:N", got {show(value)}')
-        return value
 
 
 class JudgeConfig(ConfigModel):
@@ -533,6 +537,8 @@ class TrainerConfig(RoleConfig):
     """Seed of the trainer's random state (initialisation, dropout)."""
     dtype: Dtype = "float32"
     """Precision of the trained weights: "float32", "bfloat16" or "float16"."""
+    device: Device = "auto"
+    """Where the "torch" backend trains: "auto" (the first GPU the replica sees, else the CPU), "cpu", "cuda" or "cuda:N". DeepSpeed takes its rank's GPU when there is one."""
 
     def _collect_problems(self, problems: Problems) -> None:
         super()._collect_problems(problems)

@@ -324,6 +324,12 @@ class GenerationEngine(abc.ABC):
     def version(self) -> int:
         """The weights version now served."""
 
+    @property
+    def weights_device(self) -> Any:
+        """Where this process holds the served weights (``None``: not in this process, as
+        with vLLM's workers); the weight plane delivers published versions there."""
+        return None
+
     vocab_size: int
     """Ids ``0 … vocab_size - 1`` are the model's (every prompt and ``logit_bias`` is checked
     against it); set by the engine."""

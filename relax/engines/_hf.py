@@ -83,6 +83,7 @@ from relax.models import (
     lora_config,
     pad_token_id,
     reset_rope_deltas,
+    resolve_device,
     rope_deltas,
     suppressed_token_ids,
     uses_mrope,
@@ -172,12 +173,15 @@ class HFEngine(GenerationEngine):
         max_batch_size: int = 64,
         interruptible: bool = False,
         lora: LoraConfig | None = None,
+        device: str = "cpu",
     ) -> HFEngine:
-        """Load a local HF model folder (see ``load_policy``) and serve it; with ``lora``, with
-        fresh adapters (an identity update) that ``load_weights`` replaces."""
+        """Load a local HF model folder (see ``load_policy``) and serve it on ``device`` (a
+        config's device: "auto", "cpu", "cuda[:N]"); with ``lora``, with fresh adapters (an
+        identity update) that ``load_weights`` replaces."""
         model, tok = load_policy(path, dtype, tokenizer=tokenizer)
         if lora is not None:
             model = apply_lora(model, lora)
+        model = model.to(resolve_device(device))
         pad = pad_token_id(tok, path)
         return cls(
             model,
@@ -193,6 +197,10 @@ class HFEngine(GenerationEngine):
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def weights_device(self) -> torch.device:
+        return self._device
 
     def statistics(self) -> dict[str, float | int]:
         return with_rates(self._stats, self._version)

@@ -23,7 +23,11 @@ def open_engine(
     """
     if rollout.engine == "hf":
         return HFEngine.from_pretrained(
-            model_dir, dtype, interruptible=rollout.interruptible, lora=lora
+            model_dir,
+            dtype,
+            interruptible=rollout.interruptible,
+            lora=lora,
+            device=rollout.device,
         )
     from relax.engines._vllm import VLLMEngine
 

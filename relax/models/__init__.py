@@ -61,7 +61,7 @@ from relax.models._omni import (
     media_token_ids,
     omni_processor,
 )
-from relax.models._policy import load_policy, torch_dtype
+from relax.models._policy import load_policy, resolve_device, torch_dtype
 from relax.models._tiny import build_tiny_model
 from relax.models._tokenizers import (
     BYTE_TOKENIZER,
@@ -113,6 +113,7 @@ __all__ = [
     "processor_kwargs",
     "read_adapter",
     "reset_rope_deltas",
+    "resolve_device",
     "rope_deltas",
     "save_adapter",
     "stop_token_ids",

@@ -25,6 +25,17 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ConfigError([ConfigIssue("model.dtype", f"unknown dtype {dtype!r}")]) from None
 
 
+def resolve_device(spec: str = "auto") -> torch.device:
+    """A config's device (``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"``) as a torch device;
+    ``"auto"`` is this process's current GPU when it sees one, else the CPU."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(spec)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def load_policy(
     path: str | Path,
     dtype: str | torch.dtype = "float32",

@@ -1,7 +1,7 @@
 """Tiny random-init models built offline from ``[model.init]``: a cluster needs no model hub.
 
-``build_tiny_model(init, directory)`` saves a seeded Qwen2 or Llama causal LM next to the byte
-tokenizer, so the folder is an ordinary Hugging Face checkpoint (loadable by ``from_pretrained``,
+``build_tiny_model(init, directory)`` saves a seeded Qwen2, Llama or Qwen3-MoE causal LM next
+to the byte tokenizer, so the folder is an ordinary Hugging Face checkpoint (loadable by ``from_pretrained``,
 ``load_policy`` and vLLM). ``arch = "qwen2_5_omni"`` builds a tiny Qwen2.5-Omni thinker and its
 processor instead (``relax.models._omni``).
 """
@@ -18,6 +18,7 @@ from transformers import (
     LlamaConfig,
     PreTrainedTokenizerBase,
     Qwen2Config,
+    Qwen3MoeConfig,
 )
 
 from relax.config import ModelInitConfig
@@ -43,6 +44,16 @@ def _model_config(init: ModelInitConfig, tokenizer: PreTrainedTokenizerBase) -> 
     }
     if init.arch == "qwen2":
         return Qwen2Config(**common)
+    if init.arch == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **common,
+            head_dim=init.hidden_size // init.num_heads,
+            num_experts=init.num_experts,
+            num_experts_per_tok=init.num_experts_per_tok,
+            moe_intermediate_size=init.moe_intermediate_size or init.intermediate_size,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,  # every block is a mixture of experts
+        )
     return LlamaConfig(**common)
 
 

@@ -66,15 +66,10 @@ class ModelVerifier(Verifier):
         raise NotImplementedError
 
     def _load_parts(self, model_class: Any) -> None:
-        import torch
-
-        from relax.models import load_tokenizer, torch_dtype
+        from relax.models import load_tokenizer, resolve_device, torch_dtype
 
         cfg = self.model_config
-        device = cfg.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        self.device = resolve_device(cfg.device)
         self.tokenizer = load_tokenizer(self.folder)
         model = model_class.from_pretrained(self.folder, dtype=torch_dtype(cfg.dtype))
         self.model = model.to(self.device).eval()

@@ -262,7 +262,9 @@ class RolloutRole(Actor):
                 # A new member each start: a restarted rollout's old self leaves with its lease.
                 member = f"{self.context.id}-{rank}-{secrets.token_hex(4)}"
                 options = plane_options(cfg.weights, self.samples_url)
-                self._plane = WeightSubscriber(weights, member, options)
+                self._plane = WeightSubscriber(
+                    weights, member, options, device=self.engine.weights_device
+                )
             await self._sync_weights(weights, wait=0)  # serve the current version first
             self._start_version = self.engine.version
             follower = asyncio.create_task(self._follow_weights(weights))

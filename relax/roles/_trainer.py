@@ -260,7 +260,9 @@ class TrainerRole(LearnerRole):
         columns = train_columns(cfg)
         async with await connect_bus(self.samples_url, cfg, "trainer") as bus:
             if cfg.weights.transport == "group":
-                self._plane = WeightPublisher(bus, plane_options(cfg.weights, self.samples_url))
+                self._plane = WeightPublisher(
+                    bus, plane_options(cfg.weights, self.samples_url), device=self.backend.device
+                )
             try:
                 await self._lead_on(bus, size, columns)
             finally:

@@ -6,7 +6,7 @@ import torch
 
 from relax.config import AlgorithmConfig, LoraConfig, TrainerConfig
 from relax.errors import ConfigError, ConfigIssue
-from relax.models import apply_lora, lora_config
+from relax.models import apply_lora, lora_config, resolve_device
 from relax.training._base import TrainingBackend
 from relax.training._torch import TorchBackend
 
@@ -54,4 +54,5 @@ def make_backend(
                 )
             ]
         )
+    model = model.to(resolve_device(trainer_cfg.device))
     return TorchBackend(model, trainer_cfg, algorithm_cfg, pad_id=pad_id, temperature=temperature)

@@ -301,3 +301,33 @@ def test_two_rank_zero2_matches_one_process_torch(tiny_model_dir: Path, tmp_path
             assert got[key] == pytest.approx(want.metrics[key], rel=1e-5), key
     for name, tensor in reference.state_dict_for_publish().items():
         torch.testing.assert_close(weights[0][name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_a_zero3_publish_gathers_one_weight_at_a_time(load_model, monkeypatch) -> None:
+    """Under ZeRO-3 a publish never makes the whole model whole on a rank's device: each
+    partitioned weight is gathered, copied out and released before the next."""
+    import deepspeed
+
+    backend = _ds(load_model(), 3)
+    real = deepspeed.zero.GatheredParameters
+    whole = {"now": 0, "peak": 0}
+
+    class Counting:
+        def __init__(self, params, **kwargs) -> None:
+            self.numel = sum(p.ds_numel for p in params)
+            self.inner = real(params, **kwargs)
+
+        def __enter__(self) -> None:
+            self.inner.__enter__()
+            whole["now"] += self.numel
+            whole["peak"] = max(whole["peak"], whole["now"])
+
+        def __exit__(self, *exc) -> None:
+            whole["now"] -= self.numel
+            self.inner.__exit__(*exc)
+
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", Counting)
+    state = backend.state_dict_for_publish()
+    sizes = [p.ds_numel for p in backend.model.parameters()]
+    assert whole["peak"] == max(sizes) < sum(sizes)
+    assert sum(t.numel() for t in state.values()) >= sum(sizes)  # and every weight came out
