@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import faulthandler
 import os
 import signal
 import sys
@@ -23,7 +24,7 @@ from relax.actors._actor import ActorContext
 from relax.actors._build import build_actor
 from relax.actors._cell import Cell
 from relax.actors._exit import Exit
-from relax.actors._protocol import ENV_ADDR, ENV_TOKEN, Channel, exit_to_wire
+from relax.actors._protocol import ENV_ADDR, ENV_TOKEN, STACKS_SIGNAL, Channel, exit_to_wire
 from relax.errors import ActorDead, PeerGone, RelaxError, StartFailed, error_to_dict
 from relax.log import bind_actor, configure_logging, get_logger
 
@@ -183,6 +184,9 @@ async def _bye_only(host: _Host) -> None:
 def main() -> None:
     _die_with_parent()
     configure_logging()
+    # A child that does not stop when asked gets SIGUSR1 before its SIGKILL: every thread's
+    # stack goes to stderr (the child's log), so a hang says where it hung.
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     addr, token = os.environ.pop(ENV_ADDR, ""), os.environ.pop(ENV_TOKEN, "")
     if not addr:
         print("relax.actors._host is started by a supervisor, not by hand", file=sys.stderr)

@@ -29,7 +29,7 @@ import pynng
 
 from relax.actors._cell import await_reply, fail
 from relax.actors._exit import Exit
-from relax.actors._protocol import ENV_ADDR, ENV_TOKEN, Channel, exit_from_wire
+from relax.actors._protocol import ENV_ADDR, ENV_TOKEN, STACKS_SIGNAL, Channel, exit_from_wire
 from relax.errors import ActorDead, RelaxError, StartFailed, TransportError, error_from_dict
 from relax.log import ENV_LOG_DIR, child_log_dir, get_logger
 
@@ -301,9 +301,22 @@ class ProcessMember:
                 )
         if not self.done.done():
             why = "brutal kill" if timeout <= 0 else f"did not stop within {timeout}s; killed"
+            if timeout > 0:
+                await self._dump_stacks()
+                why += " (its threads' stacks are in its log)"
             self._cause = Exit("shutdown", why, signal="SIGKILL")
             self._kill()
         return await asyncio.shield(self.done)
+
+    async def _dump_stacks(self) -> None:
+        """Have a child that ignored a stop write where each of its threads is (the host
+        registers ``faulthandler`` for ``STACKS_SIGNAL``), before it is killed."""
+        if self._proc is None or self._proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self._proc.send_signal(STACKS_SIGNAL)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.done), 0.5)  # the dump is written
 
     # ------------------------------------------------------------------ messages
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import signal
 from typing import Any, get_args
 
 import pynng
@@ -26,6 +27,9 @@ from relax.transport import dumps, loads
 
 ENV_ADDR = "RELAX_HOST_ADDR"
 ENV_TOKEN = "RELAX_HOST_TOKEN"
+STACKS_SIGNAL = signal.SIGUSR1
+"""Sent to a child that did not stop when asked, just before its SIGKILL: it writes every
+thread's stack to its log (``faulthandler``)."""
 
 _KINDS = frozenset(get_args(ExitKind))
 _EXIT_FIELDS = (

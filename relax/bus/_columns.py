@@ -34,11 +34,14 @@ class Column:
     kind: str
     """``"int"`` or ``"float"`` (numbers; an int is a float too), ``"str"`` or ``"dict"``."""
     rank: int = 0
-    """0: one value (a number, or a 0-d tensor); 1: a sequence (a list, or a 1-D tensor)."""
+    """0: one value (a number, or a 0-d tensor); 1: a sequence (a list, or a 1-D tensor);
+    above 1: a tensor of that many dimensions only."""
     finite: bool = False
     """NaN and ±inf are refused (a reward: one NaN would void a whole training step)."""
     per_token: bool = False
     """One entry per response token: as long as ``response_ids`` when the row has both."""
+    per_sequence_token: bool = False
+    """One entry per token of prompt and response: as long as both together."""
 
 
 SCHEMA: Mapping[str, Column] = {
@@ -60,6 +63,7 @@ SCHEMA: Mapping[str, Column] = {
     names.SESSION: Column("str"),
     names.TEXT: Column("str"),
     names.MM_INPUTS: Column("dict"),
+    names.ROUTED_EXPERTS: Column("int", 3, per_sequence_token=True),
 }
 """The declared columns. Anything else on a row is the user's and is not checked."""
 
@@ -79,7 +83,11 @@ def _tensor_problem(col: Column, value: Any) -> str | None:
     if dtype not in allowed:
         return f"is a {dtype} tensor, not {col.kind}s"
     if len(shape) != col.rank:
-        return f"is a tensor of shape {shape}, not {'1-D' if col.rank else '0-d'}"
+        return (
+            f"is a tensor of shape {shape}, not {col.rank}-D"
+            if col.rank > 1
+            else (f"is a tensor of shape {shape}, not {'1-D' if col.rank else '0-d'}")
+        )
     if col.finite and dtype in _FLOAT_DTYPES and not math.isfinite(_scalar(value, dtype)):
         return "is not finite"
     return None
@@ -103,6 +111,8 @@ def _problem(col: Column, value: Any) -> str | None:
         return None if isinstance(value, dict) else f"is a {type(value).__name__}, not a dict"
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         return _tensor_problem(col, value)
+    if col.rank > 1:
+        return f"is a {type(value).__name__}, not a {col.rank}-D tensor of {col.kind}s"
     if col.rank == 1:
         if not isinstance(value, list):
             return f"is a {type(value).__name__}, not a list of {col.kind}s"
@@ -154,6 +164,18 @@ def column_problem(
             value = existing.get(name)  # response_ids written after a per-token column
         if value is not None and _length(value) != n:
             return name, f"has {_length(value)} entries but response_ids has {n}"
+    prompt = columns.get(names.PROMPT_IDS)
+    if prompt is None and existing is not None:
+        prompt = existing.get(names.PROMPT_IDS)
+    if prompt is None:
+        return None
+    both = n + _length(prompt)
+    for name, col in SCHEMA.items():
+        value = columns.get(name) if col.per_sequence_token else None
+        if value is not None and _length(value) != both:
+            return name, (
+                f"has {_length(value)} entries but prompt_ids and response_ids have {both}"
+            )
     return None
 
 

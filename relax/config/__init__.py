@@ -227,7 +227,22 @@ class ClusterConfig(ConfigModel):
                 'the evaluator is the child "eval", but an [[actors]] table already has that id',
                 "rename that actor",
             )
+        if trainer.routing_replay and self.rollout.engine == "vllm":
+            problems.add(
+                ("trainer", "routing_replay"),
+                "routing replay (R3) replays the experts the rollout engine chose, and the"
+                ' "vllm" engine does not report them (its routed-experts output is not wired'
+                " into Relax)",
+                'use rollout.engine = "hf", or routing_replay = false',
+            )
         init = self.model.init
+        if trainer.routing_replay and init is not None and init.arch != "qwen3_moe":
+            problems.add(
+                ("trainer", "routing_replay"),
+                f"routing replay (R3) needs a mixture-of-experts model, but model.init.arch is"
+                f" {show(init.arch)}",
+                'set model.init.arch = "qwen3_moe", or routing_replay = false',
+            )
         needed = data.max_prompt_tokens + self.rollout.max_new_tokens
         if init is not None and init.max_position_embeddings < needed:
             problems.add(

@@ -539,6 +539,10 @@ class TrainerConfig(RoleConfig):
     """Precision of the trained weights: "float32", "bfloat16" or "float16"."""
     device: Device = "auto"
     """Where the "torch" backend trains: "auto" (the first GPU the replica sees, else the CPU), "cpu", "cuda" or "cuda:N". DeepSpeed takes its rank's GPU when there is one."""
+    routing_replay: bool = False
+    """R3 (Rollout Routing Replay) for a mixture-of-experts policy: every MoE layer of the trainer's (and the reference's) forward pass routes each token to the experts the rollout's routers chose for it (the `routed_experts` column the "hf" engine records), with gate weights recomputed from the trainer's own router logits at those experts, so the router still learns. Removes the training/inference mismatch that expert flips cause. Either way, each step logs `router_disagreement`: the fraction of recorded tokens (and layers) whose trainer-chosen experts differ from the recorded ones."""
+    moe_aux_loss_coef: NonNegativeFloat = 0.0
+    """Weight of a mixture-of-experts policy's load-balancing loss (Switch Transformer's, summed over MoE layers, on the experts actually used: the replayed ones under `routing_replay`) added to the RL loss; logged as `moe_aux_loss` whenever above 0."""
 
     def _collect_problems(self, problems: Problems) -> None:
         super()._collect_problems(problems)

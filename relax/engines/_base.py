@@ -209,6 +209,11 @@ class Generation:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """Per token, ``(id, logprob)`` of the most likely tokens of the distribution it was drawn
     from, most likely first (``SamplingParams.top_logprobs`` of them); ``None`` when not asked."""
+    routed_experts: Any = None
+    """A mixture-of-experts model's routing: per token of ``prompt_ids + response_ids``, per MoE
+    layer, the top-k expert ids its routers chose (a CPU tensor ``[tokens, layers, top_k]``;
+    ``num_experts`` for the last token, never fed back). ``None``: a dense model, or an engine
+    that does not record it (``relax.models._moe``)."""
 
 
 def validate_request(

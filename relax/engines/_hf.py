@@ -75,12 +75,14 @@ from relax.engines._base import (
 )
 from relax.models import (
     MediaSpec,
+    RoutingRecorder,
     adapter_parameters,
     adapter_problems,
     apply_lora,
     collate_mm_inputs,
     load_policy,
     lora_config,
+    moe_shape,
     pad_token_id,
     reset_rope_deltas,
     resolve_device,
@@ -137,6 +139,7 @@ class HFEngine(GenerationEngine):
         )
         self._media = MediaSpec.from_model(model)
         self._mrope = uses_mrope(model)
+        self._moe = moe_shape(model)  # routing is recorded for every token (R3)
         self.lora = lora_config(model)
         """The adapters the model carries (``None``: full weights); loads replace only them."""
         self._version = version
@@ -333,6 +336,23 @@ class HFEngine(GenerationEngine):
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
             attention[row, width - len(prompt) :] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
+        recorder = RoutingRecorder(self.model) if self._moe is not None else None
+        with recorder or contextlib.nullcontext():
+            return self._decode(jobs, params, shared, emit, first, input_ids, attention, recorder)
+
+    def _decode(
+        self,
+        jobs: list[_Job],
+        params: SamplingParams,
+        shared: torch.Generator | None,
+        emit: OnToken | None,
+        first: int,
+        input_ids: torch.Tensor,
+        attention: torch.Tensor,
+        recorder: RoutingRecorder | None,
+    ) -> list[Generation]:
+        device, pad = self._device, self.pad_token_id
+        size, width = input_ids.shape
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         rows_rng = None
         if jobs[0][2] is not None:
@@ -402,6 +422,7 @@ class HFEngine(GenerationEngine):
         all_logprobs = torch.stack(logprobs, 1).cpu()
         top_values = torch.stack([v for v, _ in tops], 1).cpu() if tops else None
         top_ids = torch.stack([i for _, i in tops], 1).cpu() if tops else None
+        routed = self._routed(recorder, jobs, width, all_tokens.shape[1], ended_at)
         result = []
         for row, (prompt, index, *_) in enumerate(jobs):
             end = min(int(ended_at[row]), all_tokens.shape[1])
@@ -422,9 +443,38 @@ class HFEngine(GenerationEngine):
                     index=index,
                     token_versions=row_versions,
                     top_logprobs=row_tops,
+                    routed_experts=None if routed is None else routed[row],
                 )
             )
         return result
+
+    def _routed(
+        self,
+        recorder: RoutingRecorder | None,
+        jobs: list[_Job],
+        width: int,
+        sampled: int,
+        ended_at: torch.Tensor,
+    ) -> list[torch.Tensor] | None:
+        """Each row's routing, ``[prompt + response tokens, layers, top_k]``: the prefill's
+        for its prompt (left padding cut), one decode step's per response token fed back
+        (the last sampled token never is: it holds ``num_experts``)."""
+        if recorder is None or self._moe is None:
+            return None
+        shape, size = self._moe, len(jobs)
+        prefill = recorder.pass_ids(0).view(shape.layers, size, width, shape.top_k)
+        steps = [
+            recorder.pass_ids(i).view(shape.layers, size, shape.top_k) for i in range(1, sampled)
+        ]
+        decoded = torch.stack(steps, 2) if steps else prefill[:, :, :0]
+        out = []
+        for row, (prompt, *_) in enumerate(jobs):
+            end = min(int(ended_at[row]), sampled)
+            ids = torch.cat([prefill[:, row, width - len(prompt) :], decoded[:, row, : end - 1]], 1)
+            last = torch.full((shape.layers, 1, shape.top_k), shape.unrecorded, dtype=ids.dtype)
+            ids = torch.cat([ids.cpu(), last], 1).permute(1, 0, 2)
+            out.append(ids.to(shape.dtype).contiguous())
+        return out
 
     def _emit(
         self,

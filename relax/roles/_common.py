@@ -14,7 +14,7 @@ from relax.bus import Batch, BusClient, column_problem
 from relax.config import ClusterConfig
 from relax.errors import BusError, ColumnConflict
 from relax.media import mm_from_wire
-from relax.schema import LOSS_MASK, MM_INPUTS, REWARD
+from relax.schema import LOSS_MASK, MM_INPUTS, REWARD, ROUTED_EXPERTS
 
 
 def cluster_config(config: dict[str, Any]) -> ClusterConfig:
@@ -69,6 +69,9 @@ def training_row(row: dict[str, Any], columns: tuple[str, ...]) -> dict[str, Any
         out[LOSS_MASK] = as_list(cols[LOSS_MASK])
     if cols.get(MM_INPUTS) is not None:  # the prompt's media, as the rollout saw them
         out[MM_INPUTS] = mm_from_wire(cols[MM_INPUTS])
+    routed = cols.get(ROUTED_EXPERTS)
+    if routed is not None:  # an MoE policy's routing at generation (R3)
+        out[ROUTED_EXPERTS] = routed.to_torch() if hasattr(routed, "to_torch") else routed
     return out
 
 

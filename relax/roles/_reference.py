@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from relax.actors import Actor
-from relax.models import load_policy
+from relax.models import load_policy, routing
 from relax.roles._common import (
     cluster_config,
     connect_bus,
@@ -30,7 +30,15 @@ from relax.roles._common import (
     without_poisoned,
     write_once,
 )
-from relax.schema import LOGPROBS, MM_INPUTS, PROMPT_IDS, REF_LOGPROBS, RESPONSE_IDS, REWARD
+from relax.schema import (
+    LOGPROBS,
+    MM_INPUTS,
+    PROMPT_IDS,
+    REF_LOGPROBS,
+    RESPONSE_IDS,
+    REWARD,
+    ROUTED_EXPERTS,
+)
 from relax.training import Row, pack_batch, response_values, sequence_logprobs
 
 TAKE_ROWS = 64
@@ -44,11 +52,14 @@ def reference_logprobs(
     pad_id: int,
     temperature: float = 1.0,
     micro_batch_size: int = 16,
+    routing_replay: bool = False,
 ) -> list[list[float]]:
     """Per-token log-probs of each row's ``response_ids`` given its ``prompt_ids`` under ``model``.
 
     The same numbers the trainer computes for the same model (``pack_batch`` alignment,
     logits divided by ``temperature``); one list per row, as long as its ``response_ids``.
+    With ``routing_replay``, a mixture-of-experts model routes every token as the rollout did
+    (the rows' ``routed_experts``), as the trainer does (R3).
     """
     order = sorted(
         range(len(rows)), key=lambda i: len(rows[i][PROMPT_IDS]) + len(rows[i][RESPONSE_IDS])
@@ -66,13 +77,15 @@ def reference_logprobs(
                     REWARD: 0.0,
                     "group": i,
                     MM_INPUTS: rows[i].get(MM_INPUTS),
+                    ROUTED_EXPERTS: rows[i].get(ROUTED_EXPERTS) if routing_replay else None,
                 }
                 for i in chunk
             ],
             pad_id,
         )
-        with torch.inference_mode():
-            logprobs = sequence_logprobs(model, packed.to(device), temperature)
+        on_device = packed.to(device)
+        with torch.inference_mode(), routing(model, on_device.routed_experts):
+            logprobs = sequence_logprobs(model, on_device, temperature)
         for i, values in zip(chunk, response_values(packed, logprobs.float().cpu()), strict=True):
             out[i] = values
     return out
@@ -120,6 +133,7 @@ class ReferenceRole(Actor):
             pad_id=self.pad_id,
             temperature=self.temperature,
             micro_batch_size=self.cfg.trainer.micro_batch_size,
+            routing_replay=self.cfg.trainer.routing_replay,
         )
 
     async def run(self) -> None:
@@ -130,7 +144,7 @@ class ReferenceRole(Actor):
                     "reference",
                     batch_size=TAKE_ROWS,
                     columns=[PROMPT_IDS, RESPONSE_IDS],
-                    optional=[MM_INPUTS],
+                    optional=[MM_INPUTS, ROUTED_EXPERTS],
                     wait=1.0,
                 ) as batch:
                     await without_poisoned(bus, batch, self.log)  # e.g. a string response_ids

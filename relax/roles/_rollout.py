@@ -63,7 +63,14 @@ from relax.roles._common import (
 )
 from relax.roles._episodes import env_rows, program_rows
 from relax.runfiles import pause_requested
-from relax.schema import LOGPROBS, MM_INPUTS, PROMPT_IDS, RESPONSE_IDS, TOKEN_VERSIONS
+from relax.schema import (
+    LOGPROBS,
+    MM_INPUTS,
+    PROMPT_IDS,
+    RESPONSE_IDS,
+    ROUTED_EXPERTS,
+    TOKEN_VERSIONS,
+)
 
 PROMPT_FOR_REWARD = {"text": "prompt_text", "messages": "messages", "fields": "fields"}
 """Prompt-row columns copied onto each sample row (as named here) for the reward role."""
@@ -105,13 +112,14 @@ def stop_at_strings(gen: Generation, tokenizer: Any, stops: Sequence[str]) -> Ge
     kept, _, stopped = cut_at_stop(tokenizer, gen.response_ids, stops)
     if not stopped:
         return gen
-    versions = gen.token_versions
+    versions, routed = gen.token_versions, gen.routed_experts
     return replace(
         gen,
         response_ids=gen.response_ids[:kept],
         logprobs=gen.logprobs[:kept],
         finish_reason="stop",
         token_versions=None if versions is None else versions[:kept],
+        routed_experts=None if routed is None else routed[: len(gen.prompt_ids) + kept],
     )
 
 
@@ -439,6 +447,8 @@ def sample_rows(prompts: list[dict[str, Any]], gens: list[Any], n: int) -> list[
                     columns[name] = row["columns"][source]
             if g.token_versions is not None:
                 columns[TOKEN_VERSIONS] = list(g.token_versions)
+            if g.routed_experts is not None:  # an MoE policy's routing, for R3
+                columns[ROUTED_EXPERTS] = g.routed_experts
             rows.append(
                 {
                     "uid": f"{row['uid']}/{j}",

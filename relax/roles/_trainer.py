@@ -44,6 +44,7 @@ from relax.schema import (
     REF_LOGPROBS,
     RESPONSE_IDS,
     REWARD,
+    ROUTED_EXPERTS,
     SUCCESS,
     TURNS,
     VALUES,
@@ -79,6 +80,7 @@ OPTIONAL_COLUMNS = (
     EPISODE_END,
     SUCCESS,
     MM_INPUTS,
+    ROUTED_EXPERTS,
     "reward_components",
 )
 """Columns some rows have (multi-turn episodes, media prompts): taken when present."""

@@ -39,6 +39,10 @@ MEDIA_TOKENS = "media_tokens"
 """Prompt tokens that stand for images, audio or video."""
 MM_INPUTS = "mm_inputs"
 """The processor's multimodal inputs (pixel values, audio features, ...) for the prompt."""
+ROUTED_EXPERTS = "routed_experts"
+"""A mixture-of-experts policy's routing at generation: per token of prompt and response, per
+MoE layer, the top-k expert ids its routers chose (``[tokens, layers, top_k]``, a small integer
+dtype; ``num_experts`` where not recorded). What R3 replays (``[trainer] routing_replay``)."""
 
 COLUMN_NAMES: tuple[str, ...] = (
     PROMPT_IDS,
@@ -57,5 +61,6 @@ COLUMN_NAMES: tuple[str, ...] = (
     TEXT,
     MEDIA_TOKENS,
     MM_INPUTS,
+    ROUTED_EXPERTS,
 )
 """Every declared column (``relax.bus.SCHEMA`` declares each one's type)."""

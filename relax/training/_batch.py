@@ -54,6 +54,11 @@ class Batch:
     """Per row, the processor's media inputs of its prompt (pixel values, grids, audio
     features …) exactly as the rollout generated with them; ``()`` when no row has media.
     The forward pass collates them (``relax.models.collate_mm_inputs``)."""
+    routed_experts: torch.Tensor | None = None
+    """``[batch, seq, layers, top_k]`` a mixture-of-experts policy's routing at generation,
+    aligned with ``input_ids`` (``relax.models.routing`` replays it); at least ``num_experts``
+    where not recorded (padding, the last token, a row without records). ``None`` when no row
+    has records."""
 
     @property
     def size(self) -> int:
@@ -93,6 +98,7 @@ class Batch:
             ref_logprobs=cut(self.ref_logprobs),
             values=cut(self.values),
             mm_inputs=self.mm_inputs[rows],
+            routed_experts=None if self.routed_experts is None else self.routed_experts[rows, cols],
         )
 
     def to(self, device: torch.device | str) -> Batch:
@@ -113,6 +119,7 @@ class Batch:
             lengths=self.lengths.to(device),
             ref_logprobs=move(self.ref_logprobs),
             values=move(self.values),
+            routed_experts=move(self.routed_experts),
             mm_inputs=tuple(
                 None if mm is None else {k: v.to(device) for k, v in mm.items()}
                 for mm in self.mm_inputs
@@ -213,7 +220,29 @@ def pack_batch(rows: Sequence[Row], pad_id: int) -> Batch:
         mm_inputs=tuple(r.get(col.MM_INPUTS) or None for r in rows)
         if any(r.get(col.MM_INPUTS) for r in rows)
         else (),
+        routed_experts=_routed_experts(rows, lengths, seq),
     )
+
+
+def _routed_experts(rows: Sequence[Row], lengths: list[int], seq: int) -> torch.Tensor | None:
+    """The rows' routing records as ``[batch, seq, layers, top_k]`` (``None``: no row has
+    any); rows without records, and padding, hold the dtype's largest value: not recorded."""
+    records = [row.get(col.ROUTED_EXPERTS) for row in rows]
+    first = next((r for r in records if r is not None), None)
+    if first is None:
+        return None
+    shape = tuple(first.shape[1:])
+    out = torch.full((len(rows), seq, *shape), torch.iinfo(first.dtype).max, dtype=first.dtype)
+    for b, (record, length) in enumerate(zip(records, lengths, strict=True)):
+        if record is None:
+            continue
+        if tuple(record.shape) != (length, *shape):
+            raise ValueError(
+                f"row {b}: routed_experts has shape {list(record.shape)}, expected"
+                f" [{length}, {', '.join(map(str, shape))}] (prompt + response tokens)"
+            )
+        out[b, :length] = record
+    return out
 
 
 def response_values(batch: Batch, per_token: torch.Tensor) -> list[list[float]]:

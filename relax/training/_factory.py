@@ -6,7 +6,7 @@ import torch
 
 from relax.config import AlgorithmConfig, LoraConfig, TrainerConfig
 from relax.errors import ConfigError, ConfigIssue
-from relax.models import apply_lora, lora_config, resolve_device
+from relax.models import apply_lora, check_replayable, lora_config, resolve_device
 from relax.training._base import TrainingBackend
 from relax.training._torch import TorchBackend
 
@@ -29,6 +29,8 @@ def make_backend(
     ``lora`` (``[model.lora]``): inject adapters into ``model`` first, so that only they train
     (a model that already has them is trained as it is).
     """
+    if trainer_cfg.routing_replay:
+        check_replayable(model)  # a dense model, or routers R3 cannot drive: a clear error
     if lora is not None and lora_config(model) is None:
         model = apply_lora(model, lora)
     if trainer_cfg.backend == "deepspeed":

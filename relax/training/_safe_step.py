@@ -7,11 +7,13 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from relax.algos import dynamic_sampling_mask
 from relax.config import AlgorithmConfig, TrainerConfig
+from relax.models import ReplayStats, routing
 from relax.training._base import StepResult, TrainingBackend
 from relax.training._batch import Batch, Row, pack_batch
 from relax.training._logprobs import forward_logprobs
@@ -206,13 +208,14 @@ class SafeStepBackend(TrainingBackend):
             idle = weight.item() == 0 or mb.num_tokens == 0
             if idle and not self.runs_every_micro_batch:
                 continue  # nothing counted here: its loss and gradient are exactly zero
-            logprobs, entropy = forward_logprobs(
-                self._forward_module(),
-                mb,
-                self.temperature,
-                with_entropy=True,
-                entropy_grad=entropy_in_loss,
-            )
+            with self._routing(mb, aux_loss=True) as route:
+                logprobs, entropy = forward_logprobs(
+                    self._forward_module(),
+                    mb,
+                    self.temperature,
+                    with_entropy=True,
+                    entropy_grad=entropy_in_loss,
+                )
             mb_adv = advantages[start : start + mb.size]
             if mb_adv.dim() == 2:
                 mb_adv = mb_adv[:, : mb.mask.shape[1]]
@@ -220,6 +223,7 @@ class SafeStepBackend(TrainingBackend):
             if weights is not None:
                 mb_weights = weights[start : start + mb.size, : mb.mask.shape[1]]
             loss, _, mb_metrics = micro_batch_loss(logprobs, entropy, mb, mb_adv, cfg, mb_weights)
+            loss = self._with_routing_metrics(loss, mb_metrics, route)
             if not stand_in:
                 mb_metrics["loss"] = loss.detach()
                 w = weight.item()
@@ -249,9 +253,35 @@ class SafeStepBackend(TrainingBackend):
         with torch.no_grad():
             for start in range(0, batch.size, micro):
                 mb = batch.select(start, min(start + micro, batch.size))
-                logprobs, _ = forward_logprobs(self._forward_module(), mb, self.temperature)
+                with self._routing(mb):
+                    logprobs, _ = forward_logprobs(self._forward_module(), mb, self.temperature)
                 out[start : start + mb.size, : logprobs.shape[1]] = logprobs
         return out
+
+    def _routing(self, mb: Batch, *, aux_loss: bool = False) -> Any:
+        """The MoE routing of a forward pass over ``mb``: the recorded experts replayed with
+        ``[trainer] routing_replay``, disagreement counted, the load-balancing loss computed
+        when it has a weight (a no-op for a dense model)."""
+        cfg = self.trainer_config
+        return routing(
+            self._forward_module(),
+            mb.routed_experts,
+            replay=cfg.routing_replay,
+            token_mask=mb.attention_mask,
+            aux_loss=aux_loss and cfg.moe_aux_loss_coef > 0,
+        )
+
+    def _with_routing_metrics(
+        self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], route: ReplayStats
+    ) -> torch.Tensor:
+        """``loss`` plus the weighted load-balancing loss, and the routing metrics."""
+        if route.tokens:
+            metrics["router_disagreement"] = torch.tensor(route.disagreement)
+        aux = route.aux_loss
+        if aux is None:
+            return loss
+        metrics["moe_aux_loss"] = aux.detach()
+        return loss + self.trainer_config.moe_aux_loss_coef * aux
 
     def step(self, rows: Sequence[Row]) -> StepResult:
         """One optimiser step on ``rows``; see the class docstring for when it is skipped."""

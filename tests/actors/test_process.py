@@ -126,7 +126,7 @@ async def test_hung_event_loop_is_detected_by_heartbeat_and_restarted() -> None:
         assert crash["kind"] == "heartbeat" and "no heartbeat" in crash["message"]
 
 
-async def test_child_ignoring_shutdown_is_killed_after_its_timeout() -> None:
+async def test_child_ignoring_shutdown_is_killed_after_its_timeout(capfd) -> None:
     spec = ChildSpec("s", StubbornStop, placement=Process(), shutdown=0.5)
     async with Supervisor([spec]) as sup:
         pid = await sup.ref("s").call("pid")
@@ -136,7 +136,11 @@ async def test_child_ignoring_shutdown_is_killed_after_its_timeout() -> None:
         entry = find(await sup.snapshot(), "s")
     assert 0.5 <= took < 5
     assert entry["last_exit"]["kind"] == "shutdown" and entry["last_exit"]["signal"] == "SIGKILL"
+    assert "its threads' stacks are in its log" in entry["last_exit"]["message"]
     assert not pid_alive(pid)
+    # Before its SIGKILL it said where it hung: every thread's stack, on its stderr.
+    err = capfd.readouterr().err
+    assert "most recent call first" in err and "in on_stop" in err, err[-2000:]
 
 
 async def test_process_crash_causes_are_kept(events_file) -> None:

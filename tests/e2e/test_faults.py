@@ -12,10 +12,12 @@ supervisor settings: ``tests/e2e/test_bus_kills.py``.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,17 @@ ROLES = ("rollout-0", "reward-0", "trainer")
 
 
 @pytest.mark.timeout(300)
+@contextlib.contextmanager
+def _hang_explained(log_file: Path) -> Iterator[None]:
+    """A run that does not end fails with where its children hung: a child that does not stop
+    when the tree is torn down writes its threads' stacks to the log before its SIGKILL."""
+    try:
+        yield
+    except (TimeoutError, asyncio.TimeoutError):
+        text = "\n".join(read_logs(log_file).text[-120:])
+        raise AssertionError(f"the run did not end; the end of its log:\n{text}") from None
+
+
 async def test_roles_sigkilled_mid_run_lose_nothing_and_train_nothing_twice(tmp_path) -> None:
     overrides = [
         'rollout.placement="process"',
@@ -64,7 +77,7 @@ async def test_roles_sigkilled_mid_run_lose_nothing_and_train_nothing_twice(tmp_
     kills: Counter[str] = Counter()
     layout = cluster.prepare(cfg, tmp_path / "run")
     run_dir = layout.run_dir
-    with captured_logs(tmp_path / "run.log") as log_file:
+    with captured_logs(tmp_path / "run.log") as log_file, _hang_explained(log_file):
         async with cluster.build_tree(cfg, layout) as tree:
             finished = asyncio.create_task(tree.wait())
             for point, target, delay in zip(points, targets, delays, strict=True):
