@@ -17,6 +17,7 @@ import torch
 from relax.bus import BusClient
 from relax.bus._plane import PlaneOptions, WeightPublisher, WeightSubscriber, bucket_digest
 from tests.bus.fixtures import tcp_bus
+from tests.bus.weight_plane_peer import spawn_peer
 from tests.polling import wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -172,22 +173,9 @@ async def test_a_receiver_sigkilled_mid_transfer_fails_that_transfer_and_the_res
     returns within the stall timeout, the other receiver gets the version, the next version
     goes over a group without the dead one, and a restarted receiver catches up."""
     big = replace(FAST, bucket_bytes=16 << 20)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     async def spawn(member: str) -> asyncio.subprocess.Process:
-        return await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "tests.bus.weight_plane_peer",
-            bus,
-            member,
-            str(big.lease),
-            "group",
-            "sum",
-            cwd=ROOT,
-            env=env,
-            stdout=asyncio.subprocess.PIPE,
-        )
+        return await spawn_peer(bus, member, big.lease, "group", "sum")
 
     victim = await spawn("victim")
     async with (

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import torch
 from relax.bus import BusClient
 from relax.bus._plane import PlaneOptions, WeightPublisher
 from tests.bus.fixtures import tcp_bus
+from tests.bus.weight_plane_peer import spawn_peer
 from tests.polling import wait_until
 
 pytestmark = [
@@ -46,24 +45,7 @@ def gpu_state(seed: int, mb: int) -> dict[str, torch.Tensor]:
 
 
 async def spawn(bus: str, member: str) -> asyncio.subprocess.Process:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "tests.bus.weight_plane_peer",
-        bus,
-        member,
-        str(OPTIONS.lease),
-        "group",
-        "sum",
-        "cuda",
-        cwd=ROOT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-    )
+    return await spawn_peer(bus, member, OPTIONS.lease, "group", "sum", "cuda")
 
 
 async def version_line(peer: asyncio.subprocess.Process) -> dict:

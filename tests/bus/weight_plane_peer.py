@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 from relax.bus import BusClient
 from relax.bus._plane import PlaneOptions, WeightSubscriber
@@ -36,6 +39,25 @@ async def _announcing_take_over(self, layout):  # type: ignore[no-untyped-def]
     out = await _original_take_over(self, layout)  # the CUDA IPC route's bucket
     print(f"bucket {self._group.statistics()['operations']}", flush=True)
     return out
+
+
+async def spawn_peer(url: str, member: str, lease: float, *modes: str) -> Any:
+    """This receiver in a process of its own (``modes``: the command line's after ``LEASE``),
+    its stdout piped."""
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.bus.weight_plane_peer",
+        url,
+        member,
+        str(lease),
+        *modes,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": path},
+        stdout=asyncio.subprocess.PIPE,
+    )
 
 
 async def main(
