@@ -248,7 +248,9 @@ async def run_episode(
                 **({"mm_inputs": traj.mm_inputs} if traj.mm_inputs else {}),
             )
             versions = gen.token_versions if gen.token_versions is not None else gen.version
-            traj.add_reply(gen.response_ids, gen.logprobs, versions)
+            traj.add_reply(
+                gen.response_ids, gen.logprobs, versions, getattr(gen, "routed_experts", None)
+            )
             text = tokenizer.decode(gen.response_ids, skip_special_tokens=True)
             step, end, reason = await _guarded(env.step(text), limits.tool_timeout)
             if end is not None:

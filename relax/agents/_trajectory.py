@@ -10,6 +10,11 @@ they are masked out, and must not make the row look staler than it is).
 Media (images, audio, video in the opening or in observations) are placeholder tokens in the
 ids, never trained on (the engine cannot sample them), plus ``mm_inputs``: the processor's
 tensors of every item of the row, in order of appearance.
+
+A mixture-of-experts policy's routing (``routed_experts``, for R3) is kept per token as it was
+first computed: each reply's call records the routing of what it prefilled (the observations
+since the last reply, and that reply's last token, never fed back then) and of its own tokens;
+earlier tokens keep the records of the call that processed them first.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from relax.schema import (
     PROMPT_IDS,
     RESPONSE_IDS,
     REWARD,
+    ROUTED_EXPERTS,
     SESSION,
     SUCCESS,
     TOKEN_VERSIONS,
@@ -62,6 +68,11 @@ class Trajectory:
     mm_inputs: dict[str, Any] | None = None
     """The media tensors of the whole sequence (``pixel_values``, ``image_grid_thw``, ...;
     items in order of their placeholders), or ``None`` for a text-only trajectory."""
+    routed_experts: Any = None
+    """An MoE policy's routing of the tokens processed so far (``[tokens, layers, top_k]``;
+    the last one not yet, ``num_experts``), or ``None``: no record (a dense policy, a sampler
+    that does not record, or a reply without one: then none is kept)."""
+    _unrouted: bool = False
 
     def __len__(self) -> int:
         """Tokens in the whole sequence (prompt and response)."""
@@ -83,14 +94,17 @@ class Trajectory:
         ids: Sequence[int],
         logprobs: Sequence[float],
         versions: int | Sequence[int],
+        routed: Any = None,
     ) -> None:
-        """Append the model's reply, trained on."""
+        """Append the model's reply, trained on. ``routed``: the call's routing record, of
+        the whole sequence it was prompted with and the reply (``Generation.routed_experts``)."""
         per_token = [versions] * len(ids) if isinstance(versions, int) else list(versions)
         if not len(ids) == len(logprobs) == len(per_token):
             raise ValueError(
                 f"a reply of {len(ids)} ids has {len(logprobs)} logprobs and"
                 f" {len(per_token)} versions"
             )
+        self._add_routing(routed, len(self) + len(ids))
         self.calls.append(
             {
                 "prompt_tokens": len(self),
@@ -116,6 +130,36 @@ class Trajectory:
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.token_versions += [version] * len(ids)
+
+    def _add_routing(self, routed: Any, length: int) -> None:
+        if self._unrouted:
+            return
+        if routed is None or len(routed) != length:
+            self.routed_experts, self._unrouted = None, True  # a partial record is none
+            return
+        if self.routed_experts is None:
+            self.routed_experts = routed
+            return
+        import torch
+
+        # Keep what earlier calls processed first; the previous reply's last token (never fed
+        # back then) and everything after it come from this call.
+        kept = len(self.routed_experts) - 1
+        self.routed_experts = torch.cat([self.routed_experts[:kept], routed[kept:]])
+
+    def routing(self) -> Any:
+        """The row's ``routed_experts``: one entry per token, those after the last reply
+        (a closing observation) not recorded; ``None`` without records."""
+        record = self.routed_experts
+        if record is None or self._unrouted:
+            return None
+        missing = len(self) - len(record)
+        if missing <= 0:
+            return record
+        import torch
+
+        marker = record[-1:].clone()  # the last entry is always "not recorded"
+        return torch.cat([record, marker.expand(missing, *marker.shape[1:])])
 
     def finish(self, end: str, reason: str = "") -> None:
         if end not in END_REASONS:
@@ -145,6 +189,9 @@ class Trajectory:
             columns[SESSION] = str(self.info["session"])
         if self.mm_inputs:
             columns[MM_INPUTS] = dict(self.mm_inputs)
+        routing = self.routing()
+        if routing is not None:
+            columns[ROUTED_EXPERTS] = routing
         return columns
 
 

@@ -231,8 +231,9 @@ class ClusterConfig(ConfigModel):
             problems.add(
                 ("trainer", "routing_replay"),
                 "routing replay (R3) replays the experts the rollout engine chose, and the"
-                ' "vllm" engine does not report them (its routed-experts output is not wired'
-                " into Relax)",
+                ' "vllm" engine does not report them to Relax (vLLM 0.32 can return them'
+                " with enable_return_routed_experts, on its Model Runner V2 only, which needs"
+                " Triton and a GPU: not wired in yet)",
                 'use rollout.engine = "hf", or routing_replay = false',
             )
         init = self.model.init

@@ -225,3 +225,54 @@ async def test_calculator_tool_call_round_trip(engine: HFEngine) -> None:
         await env.step(
             '<tool_call>{"name": "calc", "arguments": {"expression": "6**"}}</tool_call>'
         )
+
+
+async def test_an_moe_episode_s_row_carries_each_token_s_routing(tmp_path: Path) -> None:
+    """Across turns and observations (R3): one record per token of the whole row, each the
+    routing of the call that processed it first, and all of it what one teacher-forced pass
+    of the row routes (one weights version); tokens after the last reply are not recorded."""
+    from relax.models import RoutingRecorder
+
+    folder = build_tiny_model(ModelInitConfig(**TINY, arch="qwen3_moe", seed=2), tmp_path)
+    moe = HFEngine.from_pretrained(folder)
+    task = {"id": "t0", "prompt": "Guess my number (0-9).", "answer": "7"}
+    limits = EpisodeLimits(max_turns=3, max_reply_tokens=6, max_tokens=400)
+    traj = await run_episode(
+        GuessNumber(), task, Sampler(moe), moe.tokenizer, limits, sampling(moe)
+    )
+    assert traj.turns == 3
+    row = traj.columns()
+    ids = row["prompt_ids"] + row["response_ids"]
+    routed = row["routed_experts"]
+    assert tuple(routed.shape) == (len(ids), 2, 2)
+    recorded = (routed < 8).all(-1).all(-1)
+    last_reply_end = len(row["prompt_ids"]) + max(
+        i + 1 for i, m in enumerate(row["loss_mask"]) if m
+    )
+    assert recorded[: last_reply_end - 1].all() and not recorded[last_reply_end - 1 :].any()
+    with RoutingRecorder(moe.model) as rec, torch.no_grad():
+        moe.model(input_ids=torch.tensor([ids]))
+    forced = rec.pass_ids(0).permute(1, 0, 2)[: last_reply_end - 1].sort(-1).values
+    assert torch.equal(forced, routed[: last_reply_end - 1].long().sort(-1).values)
+    # The row is one the bus and the trainer take.
+    batch = pack_batch([{**row, "group": "g"}], pad_id=256)
+    assert batch.routed_experts is not None and batch.routed_experts.shape[1] == len(ids)
+
+
+def test_a_trajectory_keeps_routing_only_while_every_reply_has_it() -> None:
+    from relax.agents._trajectory import Trajectory
+
+    def record(n: int, fill: int) -> torch.Tensor:
+        out = torch.full((n, 1, 2), fill, dtype=torch.uint8)
+        out[-1] = 8  # the call's last token is never fed back
+        return out
+
+    traj = Trajectory([1, 2])
+    traj.add_reply([3, 4], [-1.0, -1.0], 0, record(4, 1))
+    traj.add_observation([5])
+    traj.add_reply([6], [-1.0], 0, record(6, 2))  # prefilled 1..5, its last reply token 4 too
+    assert traj.routing()[:, 0, 0].tolist() == [1, 1, 1, 2, 2, 8]
+    traj.add_observation([7, 8])
+    assert traj.routing()[:, 0, 0].tolist() == [1, 1, 1, 2, 2, 8, 8, 8]  # not recorded
+    traj.add_reply([9], [-1.0], 0, None)  # a reply without a record: the row has none
+    assert traj.routing() is None and "routed_experts" not in traj.columns()

@@ -83,3 +83,33 @@ async def test_the_record_is_the_routers_own_output_call_by_call(folder) -> None
     assert len(passes) == len(gen.response_ids)  # the prefill, then every token but the last
     expected = torch.cat([passes[0], *passes[1:]], 1).permute(1, 0, 2)  # [tokens - 1, L, k]
     assert torch.equal(gen.routed_experts[:-1].long(), expected)
+
+
+async def test_a_weight_update_mid_generation_keeps_the_record_aligned(folder) -> None:
+    """Interruptible: the tokens fed before the update were routed by the old weights (the
+    same as a teacher-forced pass of them), and the record stays one entry per token."""
+    import asyncio
+
+    from tests.polling import wait_until
+
+    engine = HFEngine.from_pretrained(folder, interruptible=True)
+    old = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in old.items()}
+    task = asyncio.create_task(
+        engine.generate([PROMPTS[1]], SamplingParams(max_new_tokens=150, seed=0))
+    )
+    await wait_until(lambda: engine._generating, what="the decode loop to run")
+    await engine.load_weights(1, new)
+    (gen,) = await task
+    switch = gen.token_versions.index(1)
+    assert 0 < switch < len(gen.response_ids)
+    tokens = gen.prompt_ids + gen.response_ids
+    assert tuple(gen.routed_experts.shape) == (len(tokens), 2, 2)
+    # Fed before the update: the prompt and the replies sampled before the switch but the last.
+    before = len(gen.prompt_ids) + switch - 1
+    engine.model.load_state_dict(old)
+    with RoutingRecorder(engine.model) as rec, torch.no_grad():
+        engine.model(input_ids=torch.tensor([tokens[:before]]))
+    forced = rec.pass_ids(0).permute(1, 0, 2).sort(-1).values
+    assert torch.equal(forced, gen.routed_experts[:before].long().sort(-1).values)
