@@ -9,6 +9,7 @@ from relax.cli import (  # noqa: F401  (each module registers its commands)
     _init,
     _logs,
     _plot,
+    _replay,
     _scale,
     _set,
     _status,

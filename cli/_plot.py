@@ -25,6 +25,15 @@ def plot(
         Path | None,
         typer.Option("--out", "-o", help="Where to write the PNGs (default: RUN_DIR/plots)."),
     ] = None,
+    compare: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--compare",
+            metavar="FOLDER",
+            help="Another run or replay folder to draw dashed on the same charts (repeatable), "
+            "e.g. RUN_DIR/replays/replay-1 from `relax replay --set`.",
+        ),
+    ] = None,
 ) -> None:
     """Draw PNG charts of a run's metrics: reward, loss, KL, entropy, staleness, step time.
 
@@ -37,7 +46,7 @@ def plot(
     run = resolve_run_dir(run_dir)
     target = out if out is not None else run / PLOTS_DIR
     try:
-        written = write_plots(run, target)
+        written = write_plots(run, target, compare=compare or ())
     except PlotError as exc:
         typer.echo(f"cannot plot {run}: {exc}", err=True)
         raise typer.Exit(1) from None

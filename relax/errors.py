@@ -36,6 +36,7 @@ One root, a shallow tree, and names that say what the caller does next:
                          media item or conversation was refused and nothing changed; fix that
                          input and send it again.
 - ``PlotError``          the charts cannot be drawn: install matplotlib, or wait for metrics.
+- ``RecordError``        a run cannot be replayed: no record, a damaged one, or a bad ``--set``.
 
 Every class here crosses a process boundary as itself (actor calls, bus and control RPC):
 ``error_to_dict`` writes its registered name, message and the attributes that matter as plain
@@ -454,6 +455,11 @@ class PlotError(RelaxError):
     """The plots cannot be drawn: matplotlib is missing, or the run has no metrics yet."""
 
 
+class RecordError(RelaxError):
+    """A run's trainer record is missing, damaged, or cannot be replayed: the message says
+    which (no record, a damaged frame or line, a `--set` a replay cannot honour)."""
+
+
 # --------------------------------------------------------------------------- across the wire
 
 
@@ -584,6 +590,7 @@ __all__ = [
     "OptionError",
     "PeerGone",
     "PlotError",
+    "RecordError",
     "RelaxError",
     "RemoteError",
     "RewardFailing",

@@ -128,17 +128,30 @@ def _moving_average(values: list[float], window: int) -> list[float]:
 
 
 def write_plots(
-    run_dir: str | Path, out_dir: str | Path | None = None, *, title: str | None = None
+    run_dir: str | Path,
+    out_dir: str | Path | None = None,
+    *,
+    title: str | None = None,
+    compare: Sequence[str | Path] = (),
 ) -> list[Path]:
     """Draw every chart the run's metrics allow into ``out_dir`` (default ``RUN_DIR/plots``).
 
+    ``compare``: other runs (or replays: ``relax replay --set``) whose lines are drawn dashed
+    on the same line charts, named by their folder.
+
     Returns the PNG files written. Raises ``PlotError`` when matplotlib is missing (naming the
-    ``plot`` extra) or when the run has no ``metrics.jsonl`` records yet.
+    ``plot`` extra) or when a run has no ``metrics.jsonl`` records yet.
     """
     run = Path(run_dir)
     records = read_records(run / "metrics.jsonl")
     if not records:
         raise PlotError(f"{run} has no metrics yet (no records in {run / 'metrics.jsonl'})")
+    others = []
+    for other in map(Path, compare):
+        theirs = read_records(other / "metrics.jsonl")
+        if not theirs:
+            raise PlotError(f"{other} has no metrics (no records in {other / 'metrics.jsonl'})")
+        others.append((other.name, [r for r in theirs if r.get("applied", True)] or theirs))
     plt = _pyplot()
     out = Path(out_dir) if out_dir is not None else run / PLOTS_DIR
     out.mkdir(parents=True, exist_ok=True)
@@ -164,11 +177,16 @@ def write_plots(
             if smooth and len(ys) > 4:
                 window = max(2, len(ys) // 10)
                 ax.plot(xs, _moving_average(ys, window), label=f"{key} (mean of {window})")
+        for other, theirs in others:
+            for key, _, _ in drawn:
+                xs, ys = series(theirs, key)
+                if ys:
+                    ax.plot(xs, ys, linestyle="--", label=f"{key} · {other}")
         ax.set_title(f"{heading} · {name}")
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        if len(drawn) > 1 or smooth:
+        if len(drawn) > 1 or smooth or others:
             ax.legend()
         save(fig, filename)
 
@@ -180,6 +198,7 @@ def write_plots(
         ["loss", "policy_loss", "kl_loss", "entropy_loss", "value_loss"],
     )
     lines("kl.png", "KL divergence", "KL", ["kl", "approx_kl"])
+    lines("grad_norm.png", "Gradient norm", "global norm before clipping", ["grad_norm"])
     lines("entropy.png", "Entropy", "mean token entropy (nats)", ["entropy"])
 
     lags = [s for s in (staleness(r) for r in records) if s is not None]

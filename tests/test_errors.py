@@ -82,6 +82,7 @@ SAMPLES: dict[str, Callable[[], RelaxError]] = {
     "MediaError": lambda: errors.MediaError("image", "cat.png", "missing file"),
     "ChatFormatError": lambda: errors.ChatFormatError("the tokenizer has no chat template"),
     "PlotError": lambda: errors.PlotError("no metrics yet"),
+    "RecordError": lambda: errors.RecordError("no record"),
     "Unrecoverable": lambda: errors.Unrecoverable("user code fails every time"),
     "RewardFailing": lambda: errors.RewardFailing("20 groups failed in a row", failed_groups=20),
 }
@@ -146,13 +147,14 @@ def test_old_import_paths_still_give_the_same_classes() -> None:
     from relax.media import MediaError
     from relax.observe import MissingPackage
     from relax.plot import PlotError
+    from relax.replay import RecordError
     from relax.rewards import OptionError
     from relax.transport._rpc_aio import Closed
     from relax.transport._rpc_frames import BadFrame
 
     moved = [AgentEndpointError, ChatFormatError, EndpointNotFound, ColumnConflict, LogCorrupt]
     moved += [UnknownTask, VersionGone, ClusterNotRunning, EngineError, MediaError]
-    moved += [MissingPackage, PlotError, OptionError, Closed, BadFrame]
+    moved += [MissingPackage, PlotError, OptionError, Closed, BadFrame, RecordError]
     for cls in moved:
         assert REGISTERED[cls.__name__] is cls
     assert issubclass(ChatFormatError, RelaxError) and issubclass(ChatFormatError, ValueError)

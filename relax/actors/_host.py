@@ -191,10 +191,17 @@ def main() -> None:
     if not addr:
         print("relax.actors._host is started by a supervisor, not by hand", file=sys.stderr)
         raise SystemExit(2)
-    code = asyncio.run(_serve(addr, token))
+    asyncio.run(_serve_and_exit(addr, token))
+
+
+async def _serve_and_exit(addr: str, token: str) -> None:
+    code = await _serve(addr, token)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # skip interpreter teardown: nothing is left to flush, and it is slow
+    # Leave from inside the loop: asyncio.run's teardown joins the default executor's threads,
+    # and one blocked for good (a collective with a dead peer, a hung file system) would keep
+    # a finished child alive until its supervisor SIGKILLs it. Nothing is left to flush.
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -254,6 +254,12 @@ class SessionStore:
 
 
 def _add_choice(traj: Trajectory, choice: Choice) -> None:
+    """Append a reply the agent continued with (or finished on). The call was prompted with
+    the trajectory as it stands, so its routing record (an MoE policy's, for R3) covers the
+    trajectory and the reply: cut to the ids kept (a stop string may have cut the reply)."""
     gen = choice.generation
     versions = gen.version if gen.token_versions is None else gen.token_versions[: len(choice.ids)]
-    traj.add_reply(choice.ids, choice.logprobs, versions)
+    routed = getattr(gen, "routed_experts", None)
+    if routed is not None:
+        routed = routed[: len(traj) + len(choice.ids)]
+    traj.add_reply(choice.ids, choice.logprobs, versions, routed)

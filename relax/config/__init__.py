@@ -537,6 +537,7 @@ __all__ = [
     "WeightsConfig",
     "apply_overrides",
     "load_config",
+    "override_path",
     "parse_config",
     "place_issues",
     "validate_config",

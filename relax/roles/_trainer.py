@@ -29,10 +29,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from relax.bus import Batch, BusClient, WeightPublisher, plane_options
 from relax.config import ClusterConfig
-from relax.models import load_policy, pad_token_id
 from relax.observe import MetricsFanout, build_sinks
+from relax.replay import RecordWriter, drop_unpublished, weights_digest
 from relax.roles._common import LearnerRole, connect_bus, training_row, without_poisoned
 from relax.roles._reward import component_metrics
 from relax.schema import (
@@ -49,7 +51,7 @@ from relax.schema import (
     TURNS,
     VALUES,
 )
-from relax.training import StepResult, make_backend
+from relax.training import StepResult, build_backend, checkpoint_name
 from relax.transport import dumps, loads
 
 
@@ -118,10 +120,6 @@ version are removed (that update never happened), so the file is the lineage of 
 weights: audits check it against the bus log (``tests/e2e/audit.py``)."""
 
 
-def _checkpoint_name(version: int) -> str:
-    return f"step-{version:08d}"
-
-
 def lag_histogram(trainer_version: int, versions: list[int]) -> dict[str, int]:
     """Rows per lag (the trainer's version at the take minus the row's), keys as strings
     (JSON object keys), in ascending lag."""
@@ -154,23 +152,15 @@ class TrainerRole(LearnerRole):
         self._holding_rows = False  # a batch is taken and not yet published/acked
         # [weights] overlap: the publish of the last step, going on while the next one runs.
         self._publishing: asyncio.Task[None] | None = None
+        self._resumed_from: int | None = None  # the version of the checkpoint loaded at start
+        # What `relax replay` needs ([trainer] record), written by rank 0 from its first step.
+        self._recorder: RecordWriter | None = None
 
     async def on_start(self) -> None:
         ctx = self.context
-        model, tokenizer = load_policy(self.model_dir, self.cfg.trainer.dtype)
-        pad = pad_token_id(tokenizer, self.model_dir)
 
         def build() -> Any:
-            return make_backend(
-                self.cfg.trainer,
-                self.cfg.algorithm,
-                model,
-                pad,
-                self.cfg.rollout.temperature,
-                rank=ctx.rank,
-                world_size=ctx.size,
-                lora=self.cfg.model.lora,  # only the adapters train, publish and checkpoint
-            )
+            return build_backend(self.cfg, self.model_dir, rank=ctx.rank, world_size=ctx.size)
 
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         if ctx.size > 1:
@@ -191,6 +181,7 @@ class TrainerRole(LearnerRole):
                 await self._in_thread(lambda: self.backend.load_checkpoint(latest))
             else:
                 self.backend.load_checkpoint(latest)
+            self._resumed_from = self.backend.version
             self.log.info("resumed from checkpoint", path=str(latest), version=self.backend.version)
 
     async def on_stop(self) -> None:
@@ -208,7 +199,7 @@ class TrainerRole(LearnerRole):
                 # go back to the bus, so saving it would train them twice on resume.
                 return
             latest = self._latest_checkpoint()
-            if latest is None or latest.name != _checkpoint_name(version):
+            if latest is None or latest.name != checkpoint_name(version):
                 self._checkpoint()
                 self.log.info("checkpoint on stop", version=version)
 
@@ -295,6 +286,8 @@ class TrainerRole(LearnerRole):
             await self._publish(bus, self.backend.version, await self._together("publish"))
         self._published = self.backend.version
         self._forget_unpublished_steps()
+        if cfg.trainer.record:
+            await self._record_start(adopted=None if newer is None else newer[0])
         while self.backend.version < cfg.trainer.steps:
             self._holding_rows = False
             once = asyncio.ensure_future(self._train_once(bus, size, columns))
@@ -313,8 +306,28 @@ class TrainerRole(LearnerRole):
                 raise
         await self._published_all()
         latest = self._latest_checkpoint()
-        if latest is None or latest.name != _checkpoint_name(self.backend.version):
+        if latest is None or latest.name != checkpoint_name(self.backend.version):
             await self._together("checkpoint")  # the end of training is always saved
+
+    async def _record_start(self, adopted: int | None) -> None:
+        """Begin (or continue) the run's record with how this trainer started."""
+        recorder = self._recorder = RecordWriter(self.run_dir)
+        config = self.cfg.model_dump(mode="json")
+        recorder.config(config, self.model_dir)
+        dropped = recorder.forget_unpublished(self._published)
+        if dropped:
+            self.log.warning("dropped record lines of unpublished steps", dropped=dropped)
+        weights = await self._together("publish")
+        digest = await asyncio.to_thread(weights_digest, weights)
+        await asyncio.to_thread(
+            recorder.start,
+            version=self.backend.version,
+            checkpoint=self._resumed_from,
+            adopted=adopted,
+            weights=digest,
+            threads=torch.get_num_threads(),
+            config=config,
+        )
 
     async def _published_all(self) -> None:
         """Wait for the publish still going on (``[weights] overlap``); raises its error."""
@@ -422,8 +435,10 @@ class TrainerRole(LearnerRole):
                     version=self.backend.version,
                     reason=result.skipped_reason,
                 )
-            if result.applied:
-                weights = await self._together("publish")
+            weights = await self._together("publish") if result.applied else None
+            if self._recorder is not None:
+                await asyncio.to_thread(self._record_step, result, batch.items, trainable, weights)
+            if weights is not None:
                 version = self.backend.version
                 if overlapped:
                     await self._publish_in_background(bus, version, weights, batch)
@@ -433,6 +448,23 @@ class TrainerRole(LearnerRole):
                     self._published = version
                 if due:
                     await self._together("checkpoint")
+
+    def _record_step(
+        self,
+        result: StepResult,
+        items: list[list[Any]],
+        rows: list[dict[str, Any]],
+        weights: dict[str, Any] | None,
+    ) -> None:
+        assert self._recorder is not None
+        self._recorder.step(
+            step=self.backend.version,
+            applied=result.applied,
+            items=items,
+            rows=rows,
+            metrics=result.metrics,
+            weights=None if weights is None else weights_digest(weights),
+        )
 
     def _ledger(self, step: int, applied: bool, items: list[list[Any]]) -> None:
         line = json.dumps({"step": step, "applied": applied, "items": items})
@@ -445,37 +477,13 @@ class TrainerRole(LearnerRole):
         """Drop records of applied steps above the published version: a trainer killed between
         recording a step and publishing it left a record of an update that never happened (its
         rows went back to the bus and are trained again). Both the ledger and the metrics."""
-        dropped = self._forget_unpublished_in(self.ledger_file)
+        dropped = drop_unpublished(self.ledger_file, self._published)
         if dropped:
             self.log.warning("dropped ledger lines of unpublished steps", dropped=dropped)
-        dropped = self._forget_unpublished_in(self.metrics_file)
+        dropped = drop_unpublished(self.metrics_file, self._published)
         if dropped:
             self.log.warning("dropped records of unpublished steps", dropped=dropped)
             self.history = [r for r in self.history if r.get("step", 0) <= self._published]
-
-    def _forget_unpublished_in(self, path: Path) -> int:
-        """Rewrite the JSON-lines file ``path`` without applied steps above the published
-        version (and without a line torn by a kill); returns the lines dropped."""
-        if not path.exists():
-            return 0
-        text = path.read_text()
-        lines = text.splitlines()
-        keep = []
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line torn by the kill
-            if not (record.get("applied") and record.get("step", 0) > self._published):
-                keep.append(line)
-        if len(keep) != len(lines) or (text and not text.endswith("\n")):
-            tmp = path.with_suffix(".tmp")
-            with open(tmp, "w") as f:
-                f.write("".join(line + "\n" for line in keep))
-                f.flush()
-                os.fsync(f.fileno())
-            tmp.replace(path)
-        return len(lines) - len(keep)
 
     # ------------------------------------------------------------------ gang operations
 
@@ -555,10 +563,12 @@ class TrainerRole(LearnerRole):
             sinks.close()
 
     def _checkpoint(self) -> None:
-        target = self._checkpoints() / _checkpoint_name(self.backend.version)
+        target = self._checkpoints() / checkpoint_name(self.backend.version)
         self.backend.save_checkpoint(target)  # collective in a gang: every rank writes its part
         if self.context.rank != 0:
             return
+        if self._recorder is not None:
+            self._recorder.checkpoint(self.backend.version)
         keep = self.cfg.checkpoint.keep_last
         old = sorted(self._checkpoints().glob("step-*"))
         for stale in old[:-keep] if keep else []:

@@ -7,7 +7,8 @@
   the plain-PyTorch implementation and :class:`DeepSpeedBackend` the DeepSpeed ZeRO one, on one
   rank or a data-parallel gang; both run :class:`SafeStepBackend`'s step (advantages, losses and
   off-policy corrections come from :mod:`relax.algos` as ``[algorithm]`` selects).
-- :func:`make_backend` builds the one ``[trainer] backend`` names.
+- :func:`make_backend` builds the one ``[trainer] backend`` names; :func:`build_backend` the
+  whole starting point of a trainer (seeded random state, policy, backend) from its config.
 
 ``DeepSpeedBackend`` is loaded on first use: importing this package does not import DeepSpeed.
 """
@@ -16,7 +17,7 @@ from typing import Any
 
 from relax.training._base import StepResult, TrainingBackend
 from relax.training._batch import Batch, Row, pack_batch, response_values
-from relax.training._factory import make_backend
+from relax.training._factory import build_backend, checkpoint_name, make_backend
 from relax.training._logprobs import forward_logprobs, sequence_logprobs
 from relax.training._safe_step import SafeStepBackend
 from relax.training._torch import TorchBackend
@@ -32,6 +33,8 @@ __all__ = [
     "TorchBackend",
     "TrainingBackend",
     "ValueModel",
+    "build_backend",
+    "checkpoint_name",
     "clipped_value_loss",
     "forward_logprobs",
     "make_backend",

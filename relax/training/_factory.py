@@ -1,12 +1,21 @@
-"""Pick the training backend ``[trainer] backend`` names."""
+"""Pick the training backend ``[trainer] backend`` names; build a trainer's from its config."""
 
 from __future__ import annotations
 
+import random
+
 import torch
 
-from relax.config import AlgorithmConfig, LoraConfig, TrainerConfig
+from relax.config import AlgorithmConfig, ClusterConfig, LoraConfig, TrainerConfig
 from relax.errors import ConfigError, ConfigIssue
-from relax.models import apply_lora, check_replayable, lora_config, resolve_device
+from relax.models import (
+    apply_lora,
+    check_replayable,
+    load_policy,
+    lora_config,
+    pad_token_id,
+    resolve_device,
+)
 from relax.training._base import TrainingBackend
 from relax.training._torch import TorchBackend
 
@@ -58,3 +67,28 @@ def make_backend(
         )
     model = model.to(resolve_device(trainer_cfg.device))
     return TorchBackend(model, trainer_cfg, algorithm_cfg, pad_id=pad_id, temperature=temperature)
+
+
+def build_backend(
+    cfg: ClusterConfig, model_dir: str, *, rank: int = 0, world_size: int = 1
+) -> TrainingBackend:
+    """What a trainer (and a replay of one) starts from: the random state seeded by
+    ``trainer.seed``, the policy in ``model_dir``, and the training backend around it."""
+    torch.manual_seed(cfg.trainer.seed)
+    random.seed(cfg.trainer.seed)
+    model, tokenizer = load_policy(model_dir, cfg.trainer.dtype)
+    return make_backend(
+        cfg.trainer,
+        cfg.algorithm,
+        model,
+        pad_token_id(tokenizer, model_dir),
+        cfg.rollout.temperature,
+        rank=rank,
+        world_size=world_size,
+        lora=cfg.model.lora,  # only the adapters train, publish and checkpoint
+    )
+
+
+def checkpoint_name(version: int) -> str:
+    """The folder name of the checkpoint of ``version`` (they sort by version)."""
+    return f"step-{version:08d}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -135,6 +136,19 @@ class FinishSoon(Actor):
 
     async def run(self) -> None:
         await asyncio.sleep(self.seconds)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class FinishLeavingAThread(Actor):
+    """Its main loop returns while a worker thread it started (``asyncio.to_thread``) is still
+    blocked, as a thread stuck in a collective with a dead peer would be."""
+
+    async def run(self) -> None:
+        stuck = threading.Event()
+        self._left = asyncio.ensure_future(asyncio.to_thread(stuck.wait))  # never set
+        await asyncio.sleep(0.05)
 
     def pid(self) -> int:
         return os.getpid()

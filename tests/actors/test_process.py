@@ -12,7 +12,13 @@ import torch
 
 from relax.actors import ChildSpec, Process, Supervisor
 from relax.errors import ActorDead, CallTimeout, RemoteError, StartFailed
-from tests.actors.fixtures import Echo, FailRestart, StubbornStop, read_events
+from tests.actors.fixtures import (
+    Echo,
+    FailRestart,
+    FinishLeavingAThread,
+    StubbornStop,
+    read_events,
+)
 from tests.actors.helpers import find, pid_alive, starts
 from tests.polling import wait_until
 
@@ -141,6 +147,27 @@ async def test_child_ignoring_shutdown_is_killed_after_its_timeout(capfd) -> Non
     # Before its SIGKILL it said where it hung: every thread's stack, on its stderr.
     err = capfd.readouterr().err
     assert "most recent call first" in err and "in on_stop" in err, err[-2000:]
+
+
+async def test_a_child_that_finished_exits_though_a_worker_thread_is_stuck() -> None:
+    # asyncio.run's teardown joins the default executor's threads: one blocked for good (a
+    # collective with a dead peer) would keep a finished child alive and its supervisor
+    # waiting for an exit that never comes.
+    spec = ChildSpec("f", FinishLeavingAThread, placement=Process(), restart="transient")
+    async with Supervisor([spec]) as sup:
+
+        async def ended() -> bool:
+            entry = find(await sup.snapshot(), "f")
+            return entry["last_exit"] is not None and entry["state"] != "running"
+
+        began = time.monotonic()
+        await wait_until(ended, timeout=20, what="the finished child's exit")
+        took = time.monotonic() - began
+        entry = find(await sup.snapshot(), "f")
+    assert entry["last_exit"]["kind"] == "normal", entry["last_exit"]
+    # It left by itself, not SIGKILLed by the supervisor after its wait (about 10 s).
+    assert entry["last_exit"]["signal"] is None and entry["last_exit"]["exit_code"] in (0, None)
+    assert took < 5 and entry["restart_count"] == 0
 
 
 async def test_process_crash_causes_are_kept(events_file) -> None:

@@ -703,6 +703,44 @@ async def test_a_session_records_a_token_exact_trajectory(
     assert status == 404 and body["error"]["type"] == "not_found_error"
 
 
+async def test_an_moe_session_s_trajectory_carries_each_token_s_routing(tmp_path: Path) -> None:
+    """R3 through the endpoint: a session of an MoE policy finishes with one routing record
+    per token, each from the call that processed it first, and all of it what one
+    teacher-forced pass of the trajectory routes; tokens after the last reply unrecorded."""
+    from relax.models import RoutingRecorder
+
+    init = ModelInitConfig(**{**TINY.model_dump(), "arch": "qwen3_moe", "seed": 2})
+    moe = HFEngine.from_pretrained(build_tiny_model(init, tmp_path))
+    finished = Finished()
+    messages: list[Any] = []
+    async with (
+        serve(moe, moe.tokenizer, on_finish=finished) as server,
+        openai_client(server.session_url("moe")) as client,
+    ):
+        for turn, question in enumerate(["Hi", "And then?"]):
+            messages.append({"role": "user", "content": question})
+            reply = await client.chat.completions.create(
+                model="policy", messages=messages, max_tokens=5, seed=turn
+            )
+            messages.append(reply.choices[0].message)
+        status, _ = await finish(server, "moe", reward=1.0)
+    assert status == 200
+    [(_, trajectory, _)] = finished.calls
+    ids = trajectory.ids
+    routed = trajectory.routing()
+    assert routed is not None and tuple(routed.shape) == (len(ids), 1, 2)
+    last_reply_end = len(trajectory.prompt_ids) + max(
+        i + 1 for i, m in enumerate(trajectory.loss_mask) if m
+    )
+    recorded = (routed < 8).all(-1).all(-1)
+    assert recorded[: last_reply_end - 1].all() and not recorded[last_reply_end - 1 :].any()
+    with RoutingRecorder(moe.model) as rec, torch.no_grad():
+        moe.model(input_ids=torch.tensor([ids]))
+    forced = rec.pass_ids(0).permute(1, 0, 2)[: last_reply_end - 1].sort(-1).values
+    assert torch.equal(forced, routed[: last_reply_end - 1].long().sort(-1).values)
+    assert "routed_experts" in trajectory.columns()
+
+
 async def test_a_rewritten_history_starts_a_new_segment(
     server: AgentServer, finished: Finished
 ) -> None:

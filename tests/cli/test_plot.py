@@ -110,3 +110,21 @@ def test_plot_command(tmp_path) -> None:
     assert (tmp_path / "charts" / "staleness.png").exists()
     missing = runner.invoke(app, ["plot", str(tmp_path / "nowhere")])
     assert missing.exit_code == 2 and "not a run folder" in missing.stderr
+
+
+def test_compare_draws_another_run_on_the_same_charts(tmp_path) -> None:
+    run = make_run(tmp_path)
+    alone = {p.name: p.read_bytes() for p in write_plots(run, tmp_path / "alone")}
+    other = tmp_path / "counterfactual"
+    other.mkdir()
+    lines = [{"step": s, "applied": True, "loss": 2.0 / s, "grad_norm": 0.1 * s} for s in (1, 2, 3)]
+    (other / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    both = {p.name: p.read_bytes() for p in write_plots(run, tmp_path / "both", compare=[other])}
+    assert both["loss.png"] != alone["loss.png"]  # the other run's loss is drawn too
+    assert both["staleness.png"] == alone["staleness.png"]  # a histogram: this run only
+    result = CliRunner().invoke(
+        app, ["plot", str(run), "--out", str(tmp_path / "cli"), "--compare", str(other)]
+    )
+    assert result.exit_code == 0, result.output
+    with pytest.raises(PlotError, match="nowhere has no metrics"):
+        write_plots(run, tmp_path / "x", compare=[tmp_path / "nowhere"])

@@ -217,15 +217,25 @@ def check_trainer_ledger(run_dir: Path, ledger: BusLedger) -> dict[str, int]:
 
 def check_stopped_run(run_dir: Path) -> int:
     """The audit of a run stopped mid-way (``stop`` on the control endpoint): steps 1..N
-    applied, zero rows lost or trained twice by the bus log, and the trainer's ledger agrees.
-    Returns N."""
+    applied, zero rows lost or trained twice by the bus log, the trainer's ledger agrees, and
+    the trainer's side replays from its record bit for bit (``relax replay``). Returns N."""
     records = read_metrics(run_dir)
     steps = max(r["step"] for r in records if r["applied"])
     check_metrics(records, steps)
     ledger = replay_samples_bus(run_dir)
     check_exactly_once(ledger)
     assert check_trainer_ledger(run_dir, ledger)["steps"] == steps
+    check_replays_identically(run_dir, steps)
     return steps
+
+
+def check_replays_identically(run_dir: Path, steps: int) -> None:
+    """``relax replay`` of the run re-executes its ``steps`` applied steps bit for bit."""
+    from relax.replay import replay
+
+    report = replay(run_dir)
+    assert report.identical, report.divergences[:3]
+    assert report.applied == steps, report
 
 
 # --------------------------------------------------------------------------- metrics

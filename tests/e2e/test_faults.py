@@ -142,3 +142,12 @@ async def test_roles_sigkilled_mid_run_lose_nothing_and_train_nothing_twice(tmp_
 
     last = [s["reward_mean"] for s in applied_steps(run_dir)[-10:]]
     assert sum(last) / len(last) > 0.5, last  # and it still learned
+
+    # The trainer's side replays bit for bit from its record, each restart as it happened
+    # (the checkpoint it went back to, the published weights it continued from). A kill
+    # before a new trainer recorded its start leaves no start: at most one per kill.
+    from relax.replay import replay
+
+    report = replay(run_dir)
+    assert report.identical, report.divergences[:3]
+    assert report.applied == steps and 1 <= report.restarts <= kills["trainer"], report

@@ -99,4 +99,6 @@ def _check(cfg: Any, layout: Any) -> None:
     ledger = replay_samples_bus(layout.run_dir)
     check_exactly_once(ledger)
     assert check_trainer_ledger(layout.run_dir, ledger)["steps"] == cfg.trainer.steps
+    # Steps taken under bounds 1, 0 and "inf" replay bit for bit from the trainer's record.
+    audit.check_replays_identically(layout.run_dir, cfg.trainer.steps)
     assert len(applied) == cfg.trainer.steps

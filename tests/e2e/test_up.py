@@ -144,6 +144,17 @@ def test_relax_up_resume_continues_the_newest_run(tmp_path) -> None:
         "step-00000003",
         "step-00000004",
     ]
+    # Stopped and resumed, its trainer replays bit for bit: the resume went back to the
+    # checkpoint of step 2, which the replay saved where the run saved it.
+    replayed = subprocess.run(
+        [sys.executable, "-m", "relax.cli", "replay", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert replayed.returncode == 0, replayed.stderr[-2000:]
+    assert "replayed 4 steps (4 applied, 1 restarts)" in replayed.stdout, replayed.stdout
+    assert "identical" in replayed.stdout
 
 
 def test_a_thread_budget_reaches_the_child_process_env() -> None:

@@ -1,0 +1,81 @@
+"""`relax replay`: re-execute a run's trainer from its record, bit for bit (or another way)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from relax.cli._app import app
+from relax.cli._runs import resolve_run_dir
+
+
+@app.command("replay")
+def replay(
+    run_dir: Annotated[
+        Path | None,
+        typer.Argument(
+            metavar="RUN_DIR",
+            help="The run folder (default: the newest run under ./runs).",
+            show_default=False,
+        ),
+    ] = None,
+    until: Annotated[
+        int | None, typer.Option("--until", metavar="STEP", help="Stop at this version.")
+    ] = None,
+    overrides: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            metavar="KEY=VALUE",
+            help="Train the recorded data another way (trainer.* and algorithm.* keys), "
+            "e.g. --set trainer.lr=3e-5: a counterfactual, compared with nothing.",
+        ),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out", "-o", help="The replay's folder (default: RUN_DIR/replays/replay-N)."
+        ),
+    ] = None,
+) -> None:
+    """Re-execute the trainer of a finished, stopped or crashed run from its own record.
+
+    The same batches in the same order on the same initial weights, with every trainer
+    restart as it happened; each step's loss, gradient norm, other metrics and weights are
+    compared bit for bit with the record. Exits 1 at a divergence, naming the first.
+    Writes the replay's metrics.jsonl (for `relax plot`) and replay.json to its folder.
+    """
+    from relax.errors import ConfigError
+    from relax.replay import RecordError
+    from relax.replay import replay as run_replay
+
+    run = resolve_run_dir(run_dir)
+
+    def progress(line: dict) -> None:
+        if line["step"] % 10 == 0 and line["applied"]:
+            typer.echo(f"step {line['step']}: loss {line.get('loss', float('nan')):.6g}")
+
+    try:
+        report = run_replay(
+            run, until=until, overrides=overrides or (), out_dir=out, on_step=progress
+        )
+    except (RecordError, ConfigError) as exc:
+        typer.echo(f"cannot replay {run}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(
+        f"replayed {report.steps} steps ({report.applied} applied, {report.restarts} restarts) "
+        f"in {report.wall_s:.1f} s into {report.out_dir}"
+    )
+    if report.counterfactual:
+        typer.echo("a counterfactual (--set): nothing compared with the record")
+    elif report.divergences:
+        typer.echo(
+            f"DIVERGED at {report.divergences[0]} "
+            f"({len(report.divergences)} of {report.compared} values differ)",
+            err=True,
+        )
+        raise typer.Exit(1)
+    else:
+        typer.echo(f"identical: {report.compared} values equal the record bit for bit")

@@ -1,0 +1,35 @@
+"""Replaying a run's trainer from its own record: the same batches, in the same order, on the
+same weights, with every restart as it happened (``relax replay``); and the record itself,
+written by the trainer as it goes (``[trainer] record``)."""
+
+from relax.replay._record import (
+    RECORD_DIR,
+    Record,
+    RecordError,
+    RecordWriter,
+    comparable_metrics,
+    drop_unpublished,
+    weights_digest,
+)
+
+__all__ = [
+    "RECORD_DIR",
+    "Divergence",
+    "Record",
+    "RecordError",
+    "RecordWriter",
+    "ReplayReport",
+    "comparable_metrics",
+    "drop_unpublished",
+    "replay",
+    "weights_digest",
+]
+
+
+def __getattr__(name: str) -> object:
+    # The replay itself imports the trainer (torch, transformers); the record does not.
+    if name in ("Divergence", "ReplayReport", "replay"):
+        from relax.replay import _replay
+
+        return getattr(_replay, name)
+    raise AttributeError(name)
