@@ -72,6 +72,30 @@ def applied(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, lines) if r.get("applied")]
 
 
+class AppliedCounter:
+    """Applied steps so far, reading only what the trainer appended since the last look: this
+    process is also the supervisor's, whose memory is measured (re-reading the whole growing
+    file five times a second would grow it with the file)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.count, self.inode = path, 0, 0, None
+
+    def __call__(self) -> int:
+        try:
+            with open(self.path, "rb") as f:
+                inode = os.fstat(f.fileno()).st_ino
+                if inode != self.inode:  # a restarted trainer rewrote it: count it afresh
+                    self.inode, self.offset, self.count = inode, 0, 0
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return 0
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        self.count += complete.count(b'"applied": true')
+        return self.count
+
+
 def bus_counters(log_dir: Path) -> tuple[Counter[str], int]:
     """The samples bus's counters at the end of the run, and the rows still on it untrained:
     its table rebuilt from its own log (snapshot and tail, as a restarting bus does)."""
@@ -120,6 +144,7 @@ async def soak(
     with tempfile.TemporaryDirectory() as tmp:
         layout = cluster.prepare(cfg, Path(tmp) / "run")
         run_dir = layout.run_dir
+        count_applied = AppliedCounter(run_dir / "metrics.jsonl")
         samples: list[dict[str, Any]] = []
         kills: Counter[str] = Counter()
         started = time.monotonic()
@@ -128,7 +153,7 @@ async def soak(
             next_kill = kill_every
             last_sample = 0.0
             while not finished.done():
-                done = len(applied(run_dir))
+                done = count_applied()
                 now = time.monotonic()
                 if now - last_sample >= sample_s:
                     last_sample = now

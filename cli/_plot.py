@@ -8,19 +8,12 @@ from typing import Annotated
 import typer
 
 from relax.cli._app import app
-from relax.cli._runs import resolve_run_dir
+from relax.cli._runs import RunDirArgument, resolve_run_dir
 
 
 @app.command("plot")
 def plot(
-    run_dir: Annotated[
-        Path | None,
-        typer.Argument(
-            metavar="RUN_DIR",
-            help="The run folder (default: the newest run under ./runs).",
-            show_default=False,
-        ),
-    ] = None,
+    run_dir: RunDirArgument = None,
     out: Annotated[
         Path | None,
         typer.Option("--out", "-o", help="Where to write the PNGs (default: RUN_DIR/plots)."),

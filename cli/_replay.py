@@ -8,19 +8,12 @@ from typing import Annotated
 import typer
 
 from relax.cli._app import app
-from relax.cli._runs import resolve_run_dir
+from relax.cli._runs import RunDirArgument, resolve_run_dir
 
 
 @app.command("replay")
 def replay(
-    run_dir: Annotated[
-        Path | None,
-        typer.Argument(
-            metavar="RUN_DIR",
-            help="The run folder (default: the newest run under ./runs).",
-            show_default=False,
-        ),
-    ] = None,
+    run_dir: RunDirArgument = None,
     until: Annotated[
         int | None, typer.Option("--until", metavar="STEP", help="Stop at this version.")
     ] = None,
@@ -47,11 +40,13 @@ def replay(
     compared bit for bit with the record. Exits 1 at a divergence, naming the first.
     Writes the replay's metrics.jsonl (for `relax plot`) and replay.json to its folder.
     """
+    from relax.cli._up_foreground import quiet_transformers
     from relax.errors import ConfigError
     from relax.replay import RecordError
     from relax.replay import replay as run_replay
 
     run = resolve_run_dir(run_dir)
+    quiet_transformers()  # a replay builds the policy at every trainer start it replays
 
     def progress(line: dict) -> None:
         if line["step"] % 10 == 0 and line["applied"]:

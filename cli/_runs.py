@@ -25,6 +25,16 @@ def run_dir_option(help: str = "The run folder (default: the newest run under ./
 RunDirOption = Annotated[Path | None, run_dir_option()]
 """``run_dir: RunDirOption = None``: the run folder a command works on (None: the newest)."""
 
+RunDirArgument = Annotated[
+    Path | None,
+    typer.Argument(
+        metavar="RUN_DIR",
+        help="The run folder (default: the newest run under ./runs).",
+        show_default=False,
+    ),
+]
+"""The same, as the command's first argument (`relax plot RUN_DIR`, `relax replay RUN_DIR`)."""
+
 
 def is_run_dir(path: Path) -> bool:
     """Whether ``path`` looks like a run folder (a cluster wrote into it)."""

@@ -78,7 +78,7 @@ def run_foreground(
             configure_logging(level=cfg.logging.level, fmt=fmt, stream=CurrentStderr(), force=True)
             typer.echo(cfg.summary())
             typer.echo(f"run folder {run_dir}")
-        _quiet_transformers()
+        quiet_transformers()
         stack.enter_context(SignalRouting())
         reporter.start(cfg.cluster.name, done)
         try:
@@ -88,7 +88,7 @@ def run_foreground(
     return _report(cfg, run_dir, outcome, resume_text)
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     # Loading tiny models prints progress bars per process; they drown the run's own output.
     # The variable reaches the actors' child processes too.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

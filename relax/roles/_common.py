@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+from collections import deque
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,9 +26,11 @@ def cluster_config(config: dict[str, Any]) -> ClusterConfig:
 class LearnerRole(Actor):
     """A role that learns from the samples bus (the trainer, the critic): the model it starts
     from, its run folder, and ``metrics_file`` there (named by the subclass's
-    ``METRICS_FILE``), to which it appends one record per update and keeps in ``history``."""
+    ``METRICS_FILE``), to which it appends one record per update and keeps the latest
+    ``HISTORY_KEPT`` in ``history`` (the file has them all: a long run must not grow)."""
 
     METRICS_FILE: ClassVar[str]
+    HISTORY_KEPT: ClassVar[int] = 1000
 
     def __init__(
         self, *, config: dict[str, Any], samples_url: str, model_dir: str, run_dir: str
@@ -36,7 +39,7 @@ class LearnerRole(Actor):
         self.samples_url, self.model_dir = samples_url, model_dir
         self.run_dir = Path(run_dir)
         self.metrics_file = self.run_dir / self.METRICS_FILE
-        self.history: list[dict[str, Any]] = []
+        self.history: deque[dict[str, Any]] = deque(maxlen=self.HISTORY_KEPT)
 
 
 def cluster_secret(cfg: ClusterConfig) -> str | None:

@@ -103,7 +103,7 @@ class CriticRole(LearnerRole):
             self.log.info("critic resumed", path=str(latest), updates=self.critic.updates)
 
     def metrics(self) -> list[dict[str, Any]]:
-        """Every update's metrics so far (also in ``critic.jsonl`` in the run folder)."""
+        """The latest ``HISTORY_KEPT`` updates' metrics (all are in ``critic.jsonl``)."""
         return list(self.history)
 
     def statistics(self) -> dict[str, Any]:

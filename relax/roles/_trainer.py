@@ -25,6 +25,7 @@ import os
 import shutil
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -228,7 +229,7 @@ class TrainerRole(LearnerRole):
         return self.backend.version
 
     def metrics(self) -> list[dict[str, Any]]:
-        """Every step's metrics so far (also in ``metrics.jsonl`` in the run folder)."""
+        """The latest ``HISTORY_KEPT`` steps' metrics (all are in ``metrics.jsonl``)."""
         return list(self.history)
 
     def _checkpoints(self) -> Path:
@@ -483,7 +484,8 @@ class TrainerRole(LearnerRole):
         dropped = drop_unpublished(self.metrics_file, self._published)
         if dropped:
             self.log.warning("dropped records of unpublished steps", dropped=dropped)
-            self.history = [r for r in self.history if r.get("step", 0) <= self._published]
+            kept = [r for r in self.history if r.get("step", 0) <= self._published]
+            self.history = deque(kept, maxlen=self.HISTORY_KEPT)
 
     # ------------------------------------------------------------------ gang operations
 

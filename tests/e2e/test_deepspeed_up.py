@@ -41,3 +41,9 @@ async def test_zero2_gang_of_two_trains_the_recipe(tmp_path: Path) -> None:
     assert (newest / "model.safetensors").is_file()
     partitions = sorted(p.name for p in (newest / "deepspeed").glob("*optim_states.pt"))
     assert len(partitions) == 2, partitions
+    # One process cannot redo a gang's sums bit for bit: a replay says so and starts nothing.
+    from relax.replay import RecordError, replay
+
+    with pytest.raises(RecordError, match="gang of 2 ranks"):
+        replay(layout.run_dir)
+    assert not (layout.run_dir / "replays" / "replay-1").exists()

@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from relax import cluster
 from relax.cli import app
 from relax.config import load_config
+from tests.e2e.audit import check_replays_identically
 from tests.e2e.test_recipes import EXAMPLES, records
 
 pytest.importorskip("peft")
@@ -72,3 +73,5 @@ async def test_lora_recipe_learns_and_publishes_only_the_adapter(tmp_path: Path)
         logits = merged(ids).logits[0, -1]
         assert torch.allclose(logits, with_adapter(ids).logits[0, -1], atol=1e-4)
     assert json.loads((ckpt / "relax_trainer.json").read_text())["version"] == STEPS
+    # Training only the adapters, the trainer replays bit for bit from its record.
+    check_replays_identically(run, STEPS)

@@ -172,6 +172,16 @@ def test_record_fans_out_to_the_configured_sinks(tmp_path: Path, fake_wandb) -> 
     assert run.init["config"]["cluster"]["name"] == "obs"
 
 
+def test_the_role_keeps_only_the_latest_records_the_file_all(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(TrainerRole, "HISTORY_KEPT", 2)
+    role = trainer(tmp_path)
+    for record in RECORDS:
+        role._record(record)
+    role._close_sinks()
+    assert role.metrics() == RECORDS[-2:]  # a long run's memory does not grow with it
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == len(RECORDS)
+
+
 def test_record_never_breaks_on_a_failing_sink(tmp_path: Path) -> None:
     role = trainer(tmp_path)
     role._record(RECORDS[0])  # builds the configured sinks: metrics.jsonl only
