@@ -90,6 +90,25 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+PHASES = ("take_time_s", "gradient_time_s", "update_time_s", "publish_time_s", "wall_s")
+"""The trainer's per-step phases as its metrics record them (``wall_s``: the whole step)."""
+
+
+def phase_line(runs: list[Run], warmup: int) -> str:
+    """Where one trainer step's time went: each phase's median (ms) over the timed steps of
+    ``runs``, and what the period adds beyond the step's own wall time (the loop, ledger and
+    record writes, the rows' bookkeeping)."""
+    records = [s for run in runs for s in run.measured(warmup)]
+    parts = []
+    for key in PHASES:
+        values = [float(s[key]) for s in records if key in s]
+        parts.append(f"{key.removesuffix('_time_s').removesuffix('_s')} {median(values) * 1e3:.1f}")
+    period = median([run.period(warmup) for run in runs])
+    walls = [float(s["wall_s"]) for s in records if "wall_s" in s]
+    parts.append(f"period - wall {(period - median(walls)) * 1e3:.1f}")
+    return "trainer ms/step: " + ", ".join(parts)
+
+
 def load_average() -> str:
     try:
         return " ".join(f"{x:.1f}" for x in os.getloadavg())

@@ -52,6 +52,7 @@ from bench._common import (
     limit_threads,
     load_average,
     median,
+    phase_line,
     quiet,
     recipe,
     timed_run,
@@ -170,6 +171,8 @@ async def main(args: argparse.Namespace) -> None:
             f"{s['worst'] * 1e3:6.0f} ms  "
             f"{s['startup']:6.1f} s"
         )
+    for m in args.modes:  # the trainer's own phases (take, gradient, update, publish)
+        print(f"staleness {m:>3}: {phase_line(runs[m], args.warmup)}")
     s0, inf = stats["0"], stats.get("inf")
     print(
         f"per-step cost beyond the compute: staleness 0 "

@@ -56,6 +56,7 @@ from bench._common import (
     limit_threads,
     load_average,
     median,
+    phase_line,
     quiet,
     recipe,
     timed_run,
@@ -232,6 +233,8 @@ async def main(args: argparse.Namespace) -> None:
             f"{labels[c]:<18} {per[c] * 1e3:7.1f} ms/step  runs {every[c]}  "
             f"reward (last quarter) {reward(c):.3f}" + ("  <- TRL baseline" if c == best else "")
         )
+    for c in ("relax-0", "relax-inf"):  # the trainer's own phases, so the next cost shows
+        print(f"{labels[c]:<18} {phase_line(runs[c], args.warmup)}")
     print(f"trl_ms_per_step = {per[best] * 1e3:.1f}")
     print(f"relax_s0_ms_per_step = {per['relax-0'] * 1e3:.1f}")
     print(f"relax_inf_ms_per_step = {per['relax-inf'] * 1e3:.1f}")

@@ -50,8 +50,11 @@ EVENTS_FILE = "events.jsonl"
 _FRAME = struct.Struct("<4sII")
 _MAGIC = b"RXB1"
 
-TIMING_METRICS = frozenset({"step_time_s"})
-"""Metrics that measure time, not the computation: never compared by a replay."""
+
+def is_timing(name: str) -> bool:
+    """Whether a metric measures time (``*_time_s``), not the computation: a replay never
+    compares it."""
+    return name.endswith("_time_s")
 
 
 def weights_digest(state: Mapping[str, Any]) -> str:
@@ -70,7 +73,7 @@ def weights_digest(state: Mapping[str, Any]) -> str:
 
 def comparable_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     """A step's metrics as plain floats, timings left out (JSON keeps every float's bits)."""
-    return {k: float(v) for k, v in metrics.items() if k not in TIMING_METRICS}
+    return {k: float(v) for k, v in metrics.items() if not is_timing(k)}
 
 
 def drop_unpublished(path: Path, published: int) -> int:

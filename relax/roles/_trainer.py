@@ -154,6 +154,7 @@ class TrainerRole(LearnerRole):
         # [weights] overlap: the publish of the last step, going on while the next one runs.
         self._publishing: asyncio.Task[None] | None = None
         self._resumed_from: int | None = None  # the version of the checkpoint loaded at start
+        self._last_publish_s = 0.0  # how long the last step's publish held the loop
         # What `relax replay` needs ([trainer] record), written by rank 0 from its first step.
         self._recorder: RecordWriter | None = None
 
@@ -379,6 +380,7 @@ class TrainerRole(LearnerRole):
         ) as batch:
             if not batch.rows:
                 return
+            took = time.monotonic() - started  # waiting for rows, and the bus's take
             if len(await without_poisoned(bus, batch, self.log)) < size:
                 # A poisoned group (e.g. reward = "high") was dropped: the rest of the batch
                 # goes back, to be taken again with other groups.
@@ -420,6 +422,10 @@ class TrainerRole(LearnerRole):
                 # Whether this step's publish goes on during the next step ([weights] overlap).
                 "publish_overlapped": overlapped,
                 "wall_s": time.monotonic() - started,
+                # Where the step's wall time went besides the backend's own phases: the take,
+                # and the previous step's publish (0 when it overlapped this step).
+                "take_time_s": took,
+                "publish_time_s": self._last_publish_s,
                 "time": time.time(),  # when the step ended (Unix seconds), for rates and plots
                 **episode_metrics(batch.rows),
                 **component_metrics(batch.rows),  # reward/<component> means
@@ -441,12 +447,14 @@ class TrainerRole(LearnerRole):
                 await asyncio.to_thread(self._record_step, result, batch.items, trainable, weights)
             if weights is not None:
                 version = self.backend.version
+                publishing = time.monotonic()
                 if overlapped:
                     await self._publish_in_background(bus, version, weights, batch)
                 else:
                     await self._published_all()
                     await self._publish(bus, version, weights, ack=batch)
                     self._published = version
+                self._last_publish_s = time.monotonic() - publishing
                 if due:
                     await self._together("checkpoint")
 

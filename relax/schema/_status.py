@@ -140,6 +140,13 @@ class MetricRecord(TypedDict, total=False):
     approx_kl: float
     entropy: float
     step_time_s: float
+    """The backend's step: ``gradient_time_s`` (forward/backward) + ``update_time_s``."""
+    gradient_time_s: float
+    update_time_s: float
+    take_time_s: float
+    """Waiting for the batch (rows within the bound) and the bus's take."""
+    publish_time_s: float
+    """The previous step's publish (and ack), as far as it held this loop (~0 overlapped)."""
     tokens: int
 
 

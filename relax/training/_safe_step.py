@@ -287,6 +287,7 @@ class SafeStepBackend(TrainingBackend):
         """One optimiser step on ``rows``; see the class docstring for when it is skipped."""
         started = time.perf_counter()
         metrics, problem = self.compute_gradients(rows)
+        gradients_done = time.perf_counter()
         grad_norm = math.nan
         if problem is None:
             grad_norm = self._global_grad_norm()
@@ -305,6 +306,9 @@ class SafeStepBackend(TrainingBackend):
             version=float(self._version),
             lr=self._lr(),
             step_time_s=time.perf_counter() - started,
+            # Where the step's time went: forward/backward, then norm, clipping and optimiser.
+            gradient_time_s=gradients_done - started,
+            update_time_s=time.perf_counter() - gradients_done,
             skipped=float(problem is not None),
             **self._extra_metrics(),
         )
