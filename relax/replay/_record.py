@@ -6,7 +6,9 @@ A run folder's ``record/`` holds three files, written by the trainer (rank 0) as
     The cluster config of the run's first start (plain JSON) and the model folder it started
     from.
 ``batches.bin``
-    Each step's rows exactly as the training backend received them, one frame per step:
+    Each step's rows exactly as the training backend received them (lists of floats that
+    float32 holds exactly stored as float32 tensors, read back as the same floats), one frame
+    per step:
     ``b"RXB1" | u32 length | u32 crc32 | wire message`` (``relax.transport``'s format: msgpack
     and raw tensors, never pickle). Append-only; a frame torn by a kill is never referenced.
 ``events.jsonl``
@@ -101,6 +103,42 @@ def drop_unpublished(path: Path, published: int) -> int:
     return len(lines) - len(keep)
 
 
+_PACKED = "_float32_lists"
+"""A recorded row's list of the keys whose float lists travel as float32 tensors."""
+_PACK_AT_LEAST = 32
+"""Shorter lists stay lists: a tensor's header and 64-byte alignment outweigh the saving."""
+
+
+def _pack(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with each list of floats that float32 holds exactly (log-probs, values: they
+    came from float32 tensors) as a float32 tensor: 4 bytes a value instead of msgpack's 9.
+    ``_unpack`` gives back the very same Python floats."""
+    import numpy as np
+    import torch
+
+    packed, names = dict(row), []
+    for name, value in row.items():
+        if not (
+            isinstance(value, list)
+            and len(value) >= _PACK_AT_LEAST
+            and all(type(v) is float for v in value)
+        ):
+            continue
+        wide = np.asarray(value, dtype=np.float64)
+        narrow = wide.astype(np.float32)
+        if np.array_equal(narrow.astype(np.float64), wide, equal_nan=True):
+            packed[name], names = torch.from_numpy(narrow), [*names, name]
+    if names:
+        packed[_PACKED] = names
+    return packed
+
+
+def _unpack(row: dict[str, Any]) -> dict[str, Any]:
+    for name in row.pop(_PACKED, ()):
+        row[name] = row[name].tolist()
+    return row
+
+
 def _append_durably(path: Path, data: bytes) -> int:
     """Append ``data`` to ``path``, fsynced; returns the offset it starts at."""
     with open(path, "ab") as f:
@@ -162,7 +200,7 @@ class RecordWriter:
         weights: str | None,
     ) -> None:
         """Record one step: its rows first (durably), then the line that points at them."""
-        message = dumps({"rows": rows})
+        message = dumps({"rows": [_pack(row) for row in rows]})
         frame = _FRAME.pack(_MAGIC, len(message), zlib.crc32(message)) + message
         offset = _append_durably(self.batches_file, frame)
         self._event(
@@ -223,5 +261,5 @@ class Record:
                 magic, length, crc = _FRAME.unpack(prefix)
                 message = f.read(length)
                 if magic == _MAGIC and len(message) == length and zlib.crc32(message) == crc:
-                    return loads(message)["rows"]
+                    return [_unpack(row) for row in loads(message)["rows"]]
         raise RecordError(f"{path}: the frame at offset {offset} is damaged or missing")

@@ -65,6 +65,17 @@ def test_a_record_reads_back_with_its_rows_exactly(tmp_path) -> None:
     assert torch.equal(rows[1]["routed"], torch.arange(6).reshape(1, 2, 3))
 
 
+def test_float_lists_travel_as_float32_and_come_back_as_the_same_floats(tmp_path) -> None:
+    writer = RecordWriter(tmp_path)
+    logprobs = torch.randn(1000).tolist()  # float32 values, as a bus column gives them
+    odd = [0.1, 1 / 3]  # not float32 values: kept as they are
+    rows = [{"uid": "u", "logprobs": logprobs, "odd": odd, "ids": list(range(1000))}]
+    writer.step(step=1, applied=True, items=[], rows=rows, metrics={}, weights=None)
+    got = Record(tmp_path / RECORD_DIR, {}, "", []).rows(0)
+    assert got == rows and all(type(v) is float for v in got[0]["logprobs"])
+    assert (tmp_path / RECORD_DIR / BATCHES_FILE).stat().st_size < 1000 * 4 + 1000 * 3 + 600
+
+
 def test_a_damaged_frame_is_refused_not_trained(tmp_path) -> None:
     _write(tmp_path)
     path = tmp_path / RECORD_DIR / BATCHES_FILE
