@@ -20,11 +20,11 @@ from typing import Any
 from relax.cluster import Layout, prepare
 from relax.config import ClusterConfig
 from relax.engines import open_engine
-from relax.models import load_policy, load_tokenizer, pad_token_id, stop_token_ids
+from relax.models import load_tokenizer, stop_token_ids
 from relax.rewards import RewardSet
 from relax.roles import generate_groups, prompt_row, prompt_stream, sample_rows, score_rows
 from relax.schema import LOGPROBS, PROMPT_IDS, RESPONSE_IDS, REWARD
-from relax.training import make_backend
+from relax.training import build_backend, checkpoint_name
 
 
 async def run_sync(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Layout:
@@ -45,11 +45,7 @@ async def run_sync(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Lay
     rewards = RewardSet.from_config(
         cfg.reward, answer_key="answer", max_response_tokens=cfg.rollout.max_new_tokens
     )
-    model, _ = load_policy(layout.model_dir, cfg.trainer.dtype)
-    pad = pad_token_id(tokenizer, layout.model_dir)
-    backend = make_backend(
-        cfg.trainer, cfg.algorithm, model, pad, cfg.rollout.temperature, lora=cfg.model.lora
-    )
+    backend = build_backend(cfg, str(layout.model_dir))  # as the cluster's trainer starts
     n = cfg.data.n_samples_per_prompt
     groups_per_step = cfg.trainer.global_batch_size // n
     stops = stop_token_ids(tokenizer)
@@ -84,7 +80,7 @@ async def run_sync(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Lay
                 f.write(json.dumps(record) + "\n")
             if result.applied:
                 await engine.load_weights(backend.version, backend.state_dict_for_publish())
-        checkpoint = layout.run_dir / cfg.checkpoint.dir / f"step-{backend.version:08d}"
+        checkpoint = layout.run_dir / cfg.checkpoint.dir / checkpoint_name(backend.version)
         backend.save_checkpoint(checkpoint)
     finally:
         await engine.close()

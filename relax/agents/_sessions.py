@@ -259,7 +259,7 @@ def _add_choice(traj: Trajectory, choice: Choice) -> None:
     trajectory and the reply: cut to the ids kept (a stop string may have cut the reply)."""
     gen = choice.generation
     versions = gen.version if gen.token_versions is None else gen.token_versions[: len(choice.ids)]
-    routed = getattr(gen, "routed_experts", None)
+    routed = gen.routed_experts
     if routed is not None:
         routed = routed[: len(traj) + len(choice.ids)]
     traj.add_reply(choice.ids, choice.logprobs, versions, routed)

@@ -542,7 +542,7 @@ class TrainerConfig(RoleConfig):
     routing_replay: bool = False
     """R3 (Rollout Routing Replay) for a mixture-of-experts policy: every MoE layer of the trainer's (and the reference's) forward pass routes each token to the experts the rollout's routers chose for it (the `routed_experts` column the "hf" engine records), with gate weights recomputed from the trainer's own router logits at those experts, so the router still learns. Removes the training/inference mismatch that expert flips cause. Either way, each step logs `router_disagreement`: the fraction of recorded tokens (and layers) whose trainer-chosen experts differ from the recorded ones."""
     record: bool = True
-    """Record what `relax replay` needs to re-execute this trainer exactly: each step's rows as the backend received them, how every (re)start began (checkpoint, adopted version), and a digest of the weights after each step, in the run folder's `record/` (see docs/replay.md for its cost)."""
+    """Record what `relax replay` needs to re-execute this trainer exactly: each step's rows as the backend received them, how every (re)start began (checkpoint, adopted version), and a digest of the weights after each step, in the run folder's `record/` (its cost: docs/architecture.md, "Replay and the trainer's record")."""
     moe_aux_loss_coef: NonNegativeFloat = 0.0
     """Weight of a mixture-of-experts policy's load-balancing loss (Switch Transformer's, summed over MoE layers, on the experts actually used: the replayed ones under `routing_replay`) added to the RL loss; logged as `moe_aux_loss` whenever above 0."""
 

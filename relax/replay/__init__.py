@@ -11,6 +11,7 @@ from relax.replay._record import (
     drop_unpublished,
     weights_digest,
 )
+from relax.replay._replay import Divergence, ReplayReport, replay
 
 __all__ = [
     "RECORD_DIR",
@@ -24,12 +25,3 @@ __all__ = [
     "replay",
     "weights_digest",
 ]
-
-
-def __getattr__(name: str) -> object:
-    # The replay itself imports the trainer (torch, transformers); the record does not.
-    if name in ("Divergence", "ReplayReport", "replay"):
-        from relax.replay import _replay
-
-        return getattr(_replay, name)
-    raise AttributeError(name)

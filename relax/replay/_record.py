@@ -19,8 +19,9 @@ A run folder's ``record/`` holds three files, written by the trainer (rank 0) as
       ``threads`` torch threads; it loaded the checkpoint of step ``checkpoint`` (or none: a
       fresh model seeded by ``trainer.seed``), then continued from the published weights of
       version ``adopted`` (or not); ``weights`` is the digest of what it then held.
-    - ``{"event": "step", "step", "applied", "items", "batch", "metrics", "weights"}``: one
-      step: the rows' ``[uid, attempt]`` items, the offset of its frame in ``batches.bin``,
+    - ``{"event": "step", "step", "applied", "batch", "metrics", "weights"}``: one step: the
+      offset of its frame in ``batches.bin`` (which rows they were, ``[uid, attempt]``, is
+      the trainer's ledger's to say: ``trainer-ledger.jsonl``),
       the backend's metrics (timings left out) and, applied, the digest of the new weights.
     - ``{"event": "checkpoint", "step"}``: a checkpoint of that version was saved.
 
@@ -194,7 +195,6 @@ class RecordWriter:
         *,
         step: int,
         applied: bool,
-        items: list[list[Any]],
         rows: list[dict[str, Any]],
         metrics: Mapping[str, Any],
         weights: str | None,
@@ -207,7 +207,6 @@ class RecordWriter:
             event="step",
             step=step,
             applied=applied,
-            items=items,
             batch=offset,
             metrics=comparable_metrics(metrics),
             weights=weights,
@@ -240,12 +239,12 @@ class Record:
                 f"{run_dir} holds no complete trainer record ({exc.filename} is missing): "
                 "the run did not train a step, or ran with trainer.record = false"
             ) from None
-        events = []
-        for number, line in enumerate(text.splitlines(), 1):
+        events, lines = [], text.splitlines()
+        for number, line in enumerate(lines, 1):
             try:
                 events.append(json.loads(line))
             except json.JSONDecodeError:
-                if number != len(text.splitlines()):  # only the last line may be torn
+                if number != len(lines):  # only the last line may be torn
                     raise RecordError(f"{folder / EVENTS_FILE}: line {number} is damaged") from None
         if not events or events[0].get("event") != "start":
             raise RecordError(f"{folder / EVENTS_FILE}: does not begin with a trainer start")

@@ -127,7 +127,7 @@ def replay(
     out.mkdir(parents=True, exist_ok=False)
     report = ReplayReport(out, counterfactual=bool(overrides))
     # Checkpoints a later start loads: the replay saves its own where the original saved them.
-    needed = {e["checkpoint"] for e in record.events if e["event"] == "start"}
+    needed = {e["checkpoint"] for e in record.events if e["event"] == "start"} - {None}
     originals = run_dir / cfg.checkpoint.dir
 
     def checkpoint_of(version: int) -> Path:
@@ -173,7 +173,7 @@ def replay(
                     digest = weights_digest(backend.state_dict_for_publish())
                     compare(index, backend.version, "weights at start", event["weights"], digest)
             elif kind == "checkpoint":
-                if event["step"] in needed and backend.version == event["step"]:
+                if event["step"] in needed:
                     backend.save_checkpoint(out / "checkpoints" / checkpoint_name(event["step"]))
             elif kind == "step":
                 if until is not None and event["step"] > until:

@@ -444,7 +444,7 @@ class TrainerRole(LearnerRole):
                 )
             weights = await self._together("publish") if result.applied else None
             if self._recorder is not None:
-                await asyncio.to_thread(self._record_step, result, batch.items, trainable, weights)
+                await asyncio.to_thread(self._record_step, result, trainable, weights)
             if weights is not None:
                 version = self.backend.version
                 publishing = time.monotonic()
@@ -461,7 +461,6 @@ class TrainerRole(LearnerRole):
     def _record_step(
         self,
         result: StepResult,
-        items: list[list[Any]],
         rows: list[dict[str, Any]],
         weights: dict[str, Any] | None,
     ) -> None:
@@ -469,7 +468,6 @@ class TrainerRole(LearnerRole):
         self._recorder.step(
             step=self.backend.version,
             applied=result.applied,
-            items=items,
             rows=rows,
             metrics=result.metrics,
             weights=None if weights is None else weights_digest(weights),

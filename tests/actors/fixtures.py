@@ -146,9 +146,14 @@ class FinishLeavingAThread(Actor):
     blocked, as a thread stuck in a collective with a dead peer would be."""
 
     async def run(self) -> None:
-        stuck = threading.Event()
-        self._left = asyncio.ensure_future(asyncio.to_thread(stuck.wait))  # never set
-        await asyncio.sleep(0.05)
+        started, stuck = threading.Event(), threading.Event()
+
+        def block() -> None:
+            started.set()
+            stuck.wait()  # never set
+
+        self._left = asyncio.ensure_future(asyncio.to_thread(block))
+        await asyncio.to_thread(started.wait)  # the thread is blocked before run() returns
 
     def pid(self) -> int:
         return os.getpid()

@@ -39,7 +39,6 @@ def _write(tmp_path) -> tuple[RecordWriter, list[dict]]:
     writer.step(
         step=1,
         applied=True,
-        items=[["u1", 1], ["u2", 1]],
         rows=rows,
         metrics={"loss": 0.25, "step_time_s": 0.1},
         weights="w1",
@@ -70,7 +69,7 @@ def test_float_lists_travel_as_float32_and_come_back_as_the_same_floats(tmp_path
     logprobs = torch.randn(1000).tolist()  # float32 values, as a bus column gives them
     odd = [0.1, 1 / 3]  # not float32 values: kept as they are
     rows = [{"uid": "u", "logprobs": logprobs, "odd": odd, "ids": list(range(1000))}]
-    writer.step(step=1, applied=True, items=[], rows=rows, metrics={}, weights=None)
+    writer.step(step=1, applied=True, rows=rows, metrics={}, weights=None)
     got = Record(tmp_path / RECORD_DIR, {}, "", []).rows(0)
     assert got == rows and all(type(v) is float for v in got[0]["logprobs"])
     assert (tmp_path / RECORD_DIR / BATCHES_FILE).stat().st_size < 1000 * 4 + 1000 * 3 + 600
