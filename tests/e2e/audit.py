@@ -241,15 +241,20 @@ def check_replays_identically(run_dir: Path, steps: int) -> None:
 # --------------------------------------------------------------------------- metrics
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The records of ``metrics.jsonl``, each line strictly parsed. Read while the run is
-    going, the trainer may be halfway through appending the last line: text after the last
-    newline is not a record yet (a finished run's file ends with one; ``check_metrics``
-    counts every step, so a record that never got its newline is still caught)."""
-    path = run_dir / "metrics.jsonl"
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a run's JSON-lines file (``metrics.jsonl``, ``eval.jsonl``, ...), each line
+    strictly parsed; none when it does not exist yet. Read while the run is going, the writer
+    may be halfway through appending the last line: text after the last newline is not a
+    record yet (a finished run's file ends with one; ``check_metrics`` counts every step, so a
+    record that never got its newline is still caught)."""
     text = path.read_text() if path.exists() else ""
     complete = text[: text.rfind("\n") + 1]
     return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The trainer's records, ``metrics.jsonl`` (see :func:`read_jsonl`)."""
+    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def applied_steps(run_dir: Path) -> list[dict[str, Any]]:

@@ -5,7 +5,6 @@ policy learns, training goes on while it evaluates, and `relax plot` and `relax 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -15,15 +14,12 @@ from relax.cli._status_text import eval_summary, plain_snapshot
 from relax.config import load_config
 from relax.observe import EVAL_FILE, last_eval
 from relax.plot import write_plots
+from tests.e2e.audit import read_jsonl
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STEPS, EVERY, HOLD = 40, 10, 3
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.mark.timeout(180)
@@ -50,8 +46,8 @@ async def test_eval_during_a_digits_run(tmp_path) -> None:
     async with tree:
         await tree.wait()
 
-    trained = records(run / "metrics.jsonl")
-    evals = records(run / EVAL_FILE)
+    trained = read_jsonl(run / "metrics.jsonl")
+    evals = read_jsonl(run / EVAL_FILE)
     versions = [e["version"] for e in evals]
     # Every due version and the final one, each once, in order (none skipped in this run).
     assert versions == list(range(0, STEPS + 1, EVERY)), versions

@@ -12,7 +12,6 @@ its 40 steps in ~5 s.)
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 
 from relax import cluster
 from relax.config import load_config
+from tests.e2e.audit import read_jsonl
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STEPS = 40
@@ -39,10 +39,6 @@ RECIPES = {
     # reward = digit + 0.5 * overlong penalty: -0.38..-0.31 -> 0.49-0.66; s0: -0.377 -> 0.497
     "dapo": ([], 0.6),
 }
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
@@ -85,7 +81,7 @@ async def test_recipe_learns(tmp_path, recipe) -> None:
         ],
     )
     layout = await cluster.run(cfg, tmp_path / "run")
-    steps = records(layout.run_dir / "metrics.jsonl")
+    steps = read_jsonl(layout.run_dir / "metrics.jsonl")
     applied = [s for s in steps if s["applied"]]
     assert [s["step"] for s in applied] == list(range(1, STEPS + 1))
 
@@ -99,7 +95,7 @@ async def test_recipe_learns(tmp_path, recipe) -> None:
         assert max(kls) > 0.01  # the policy moved away from it
     if recipe == "ppo":
         assert "dual_clip_frac" in last
-        critic = records(layout.run_dir / "critic.jsonl")
+        critic = read_jsonl(layout.run_dir / "critic.jsonl")
         # GAE needs the values column (the trainer raises without it), so every applied step
         # above used the critic's values; the critic also learned from (nearly) every row —
         # not quite all: empty responses are skipped and the run may end mid-update.
