@@ -32,6 +32,15 @@ def replay(
             "--out", "-o", help="The replay's folder (default: RUN_DIR/replays/replay-N)."
         ),
     ] = None,
+    regenerate: Annotated[
+        bool,
+        typer.Option(
+            "--regenerate",
+            help="Also generate every trained row again (same seed, batch and weights "
+            "versions, switching where the rollout did) and compare its tokens and "
+            "logprobs with the record: a determinism check of the generation path.",
+        ),
+    ] = False,
 ) -> None:
     """Re-execute the trainer of a finished, stopped or crashed run from its own record.
 
@@ -54,7 +63,12 @@ def replay(
 
     try:
         report = run_replay(
-            run, until=until, overrides=overrides or (), out_dir=out, on_step=progress
+            run,
+            until=until,
+            overrides=overrides or (),
+            out_dir=out,
+            on_step=progress,
+            regenerate=regenerate,
         )
     except (RecordError, ConfigError) as exc:
         typer.echo(f"cannot replay {run}: {exc}", err=True)
@@ -63,6 +77,13 @@ def replay(
         f"replayed {report.steps} steps ({report.applied} applied, {report.restarts} restarts) "
         f"in {report.wall_s:.1f} s into {report.out_dir}"
     )
+    regen = report.regenerated
+    if regen is not None:
+        typer.echo(
+            f"regenerated {regen.rows} trained rows in {regen.chunks} decode batches: "
+            f"{regen.identical} identical, {regen.rows - regen.identical} differ"
+            + (f", {regen.unrecorded} not recorded (agent episodes)" if regen.unrecorded else "")
+        )
     if report.counterfactual:
         typer.echo("a counterfactual (--set): nothing compared with the record")
     elif report.divergences:

@@ -51,7 +51,7 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -149,6 +149,8 @@ class HFEngine(GenerationEngine):
         self._pending_lock = threading.Lock()
         self._pending: list[tuple[int, list[tuple[str, torch.Tensor]], Future[None]]] = []
         self._generating = False
+        # While regenerating: each decode step's recorded version, and the weights of any.
+        self._schedule: tuple[list[int], Callable[[int], StateDict]] | None = None
         self._stats: dict[str, float | int] = {
             "requests": 0,
             "sequences": 0,
@@ -403,8 +405,7 @@ class HFEngine(GenerationEngine):
                 done |= stopped
             if step + 1 == params.max_new_tokens or bool(done.all()):
                 break
-            if self.interruptible:
-                self._apply_pending()  # between two tokens: the next one uses the new weights
+            self._between_tokens(step)
             attention = torch.cat(
                 [attention, torch.ones((size, 1), dtype=torch.long, device=device)], 1
             )
@@ -447,6 +448,59 @@ class HFEngine(GenerationEngine):
                 )
             )
         return result
+
+    def _between_tokens(self, step: int) -> None:
+        """After token ``step`` and before the forward pass of the next: where weights change."""
+        if self._schedule is not None:  # a recorded decode: switch where the record did
+            schedule, _ = self._schedule
+            self._switch_to(schedule[min(step + 1, len(schedule) - 1)])
+        elif self.interruptible:
+            self._apply_pending()  # the next token uses the new weights
+
+    def _switch_to(self, version: int) -> None:
+        assert self._schedule is not None
+        if version != self._version:
+            items = list(self._schedule[1](version).items())
+            if self.lora is not None:
+                self._copy_adapter(items)
+            else:
+                self._copy_weights(items)
+            self._version = version
+
+    def regenerate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seeds: list[int],
+        schedules: Sequence[Sequence[int] | None],
+        weights: Callable[[int], StateDict],
+    ) -> list[Generation | None]:
+        """Decode a recorded call again as it ran (``relax replay --regenerate``): the same
+        jobs in the same chunks of ``max_batch_size`` sequences (a row's logprobs depend on its
+        batch in the last bits), chunk ``c`` on the weights of the versions ``schedules[c]``
+        lists per token — the first for the prefill, then switching between tokens where the
+        versions change, as an interruptible generation did. ``weights(v)`` gives version
+        ``v``'s state dict (any version, older ones too). A chunk whose schedule is ``None`` is
+        not decoded: its generations are ``None``. Text prompts only."""
+        jobs: list[_Job] = [
+            (prompt, k, _row_seed(seeds[i], k), None)
+            for i, prompt in enumerate(prompts)
+            for k in range(params.n)
+        ]
+        out: list[Generation | None] = []
+        with self._thread_lock:
+            for chunk, start in enumerate(range(0, len(jobs), self.max_batch_size)):
+                batch, schedule = jobs[start : start + self.max_batch_size], schedules[chunk]
+                if schedule is None:
+                    out += [None] * len(batch)
+                    continue
+                self._schedule = (list(schedule), weights)
+                try:
+                    self._switch_to(schedule[0])
+                    out += self._generate_batch(batch, params, None)
+                finally:
+                    self._schedule = None
+        return out
 
     def _routed(
         self,

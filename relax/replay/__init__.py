@@ -2,6 +2,12 @@
 same weights, with every restart as it happened (``relax replay``); and the record itself,
 written by the trainer as it goes (``[trainer] record``)."""
 
+from relax.replay._generations import (
+    GENERATIONS_DIR,
+    GenerationLog,
+    RegenerateReport,
+    chunk_schedules,
+)
 from relax.replay._record import (
     RECORD_DIR,
     Record,
@@ -14,12 +20,16 @@ from relax.replay._record import (
 from relax.replay._replay import Divergence, ReplayReport, replay
 
 __all__ = [
+    "GENERATIONS_DIR",
     "RECORD_DIR",
     "Divergence",
+    "GenerationLog",
     "Record",
     "RecordError",
     "RecordWriter",
+    "RegenerateReport",
     "ReplayReport",
+    "chunk_schedules",
     "comparable_metrics",
     "drop_unpublished",
     "replay",

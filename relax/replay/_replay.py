@@ -23,12 +23,19 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from relax.config import ClusterConfig, override_path, validate_config
-from relax.replay._record import Record, RecordError, comparable_metrics, weights_digest
+from relax.replay._generations import RegenerateReport, Regenerator
+from relax.replay._record import (
+    RECORD_DIR,
+    Record,
+    RecordError,
+    comparable_metrics,
+    weights_digest,
+)
 
 REPLAYS_DIR = "replays"
 """Where a run's replays go by default: ``RUN_DIR/replays/replay-N``."""
@@ -67,6 +74,8 @@ class ReplayReport:
     compared: int = 0
     """Values compared bit for bit with the record (metrics, digests, applied flags)."""
     divergences: list[Divergence] = field(default_factory=list)
+    regenerated: RegenerateReport | None = None
+    """With ``regenerate``: the trained rows generated again and compared."""
     wall_s: float = 0.0
 
     @property
@@ -111,10 +120,13 @@ def replay(
     overrides: Sequence[str] = (),
     out_dir: str | Path | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
+    regenerate: bool = False,
 ) -> ReplayReport:
     """Replay the trainer of the run in ``run_dir`` up to version ``until`` (default: all of
     its record); write the replay's ``metrics.jsonl`` and ``replay.json`` to ``out_dir``
-    (default ``RUN_DIR/replays/replay-N``). ``on_step`` sees each replayed step's record."""
+    (default ``RUN_DIR/replays/replay-N``). ``on_step`` sees each replayed step's record.
+    With ``regenerate``, every trained row is also generated again, on the replay's weights
+    of the versions it was generated with, and compared (``relax.replay._generations``)."""
     import torch
 
     from relax.training import build_backend, checkpoint_name  # torch: only when replaying
@@ -123,6 +135,21 @@ def replay(
     started = time.monotonic()
     record = Record.read(run_dir)
     cfg = _config(record.config, overrides)  # checked before anything starts
+    if regenerate and overrides:
+        raise RecordError(
+            "--regenerate checks the recorded generations on the recorded weights; "
+            "a counterfactual (--set) trains other weights"
+        )
+    regen = None
+    if regenerate:  # every trained uid first: which versions to hold, and until when
+        steps = [e for e in record.events if e["event"] == "step"]
+        trained = [
+            row["uid"]
+            for e in steps
+            if until is None or e["step"] <= until
+            for row in record.rows(e["batch"])
+        ]
+        regen = Regenerator(run_dir / RECORD_DIR, cfg, record.model_dir, trained)
     out = Path(out_dir) if out_dir is not None else _next_folder(run_dir / REPLAYS_DIR)
     out.mkdir(parents=True, exist_ok=False)
     report = ReplayReport(out, counterfactual=bool(overrides))
@@ -170,15 +197,29 @@ def replay(
                     index, backend.version, "version at start", event["version"], backend.version
                 )
                 if not report.counterfactual:
-                    digest = weights_digest(backend.state_dict_for_publish())
-                    compare(index, backend.version, "weights at start", event["weights"], digest)
+                    state = backend.state_dict_for_publish()
+                    compare(
+                        index,
+                        backend.version,
+                        "weights at start",
+                        event["weights"],
+                        weights_digest(state),
+                    )
+                    if regen is not None:
+                        regen.produced(backend.version, state)
             elif kind == "checkpoint":
                 if event["step"] in needed:
                     backend.save_checkpoint(out / "checkpoints" / checkpoint_name(event["step"]))
             elif kind == "step":
                 if until is not None and event["step"] > until:
                     break
-                result = backend.step(record.rows(event["batch"]))
+                rows = record.rows(event["batch"])
+                if regen is not None:  # generated with the versions held now
+                    for uid, (what, recorded, regenerated) in regen.check(rows):
+                        report.divergences.append(
+                            Divergence(index, event["step"], f"{uid} {what}", recorded, regenerated)
+                        )
+                result = backend.step(rows)
                 step = backend.version
                 report.steps += 1
                 report.applied += result.applied
@@ -187,13 +228,16 @@ def replay(
                 for name, value in event["metrics"].items():
                     compare(index, step, name, value, replayed.get(name))
                 if result.applied and not report.counterfactual:
-                    digest = weights_digest(backend.state_dict_for_publish())
-                    compare(index, step, "weights", event["weights"], digest)
+                    state = backend.state_dict_for_publish()
+                    compare(index, step, "weights", event["weights"], weights_digest(state))
+                    if regen is not None:
+                        regen.produced(step, state)
                 line = {"step": step, "applied": result.applied, **result.metrics}
                 line["time"] = time.time()
                 metrics_file.write(json.dumps(line) + "\n")
                 if on_step is not None:
                     on_step(line)
+    report.regenerated = regen.report if regen is not None else None
     report.wall_s = time.monotonic() - started
     summary = {
         "run_dir": str(run_dir),
@@ -205,6 +249,7 @@ def replay(
         "compared": report.compared,
         "identical": report.identical,
         "first_divergence": str(report.divergences[0]) if report.divergences else None,
+        "regenerated": asdict(regen.report) if regen is not None else None,
         "wall_s": report.wall_s,
     }
     (out / "replay.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -48,11 +48,13 @@ from relax.engines import (
     EngineError,
     Generation,
     GenerationEngine,
+    HFEngine,
     SamplingParams,
     open_engine,
 )
 from relax.media import mm_from_wire
 from relax.models import load_processor, load_tokenizer, stop_token_ids
+from relax.replay import RECORD_DIR, GenerationLog
 from relax.roles._common import (
     as_list,
     cluster_config,
@@ -77,10 +79,15 @@ PROMPT_FOR_REWARD = {"text": "prompt_text", "messages": "messages", "fields": "f
 
 
 async def generate_groups(
-    engine: GenerationEngine, cfg: ClusterConfig, prompts: list[dict[str, Any]], stops: list[int]
+    engine: GenerationEngine,
+    cfg: ClusterConfig,
+    prompts: list[dict[str, Any]],
+    stops: list[int],
+    log: GenerationLog | None = None,
 ) -> list[Generation]:
     """``data.n_samples_per_prompt`` samples of each prompt row, as ``[rollout]`` says, each
-    prompt seeded by its id (see the module docstring)."""
+    prompt seeded by its id (see the module docstring); a text call of the HF engine goes to
+    ``log`` (what ``relax replay --regenerate`` decodes again)."""
     rollout = cfg.rollout
     media = [r["columns"].get(MM_INPUTS) for r in prompts]
     # Media travel with their prompt as processed once by the dataset role: the engine sees
@@ -90,19 +97,20 @@ async def generate_groups(
         if any(m is not None for m in media)
         else {}
     )
-    gens = await engine.generate(
-        [as_list(r["columns"][PROMPT_IDS]) for r in prompts],
-        SamplingParams.from_rollout(rollout, n=cfg.data.n_samples_per_prompt, stop_token_ids=stops),
-        seeds=None
-        if rollout.seed is None
-        else [prompt_seed(rollout.seed, r["uid"]) for r in prompts],
-        **extra,
+    prompt_ids = [as_list(r["columns"][PROMPT_IDS]) for r in prompts]
+    params = SamplingParams.from_rollout(
+        rollout, n=cfg.data.n_samples_per_prompt, stop_token_ids=stops
     )
+    seeds = None if rollout.seed is None else [prompt_seed(rollout.seed, r["uid"]) for r in prompts]
+    raw = gens = await engine.generate(prompt_ids, params, seeds=seeds, **extra)
     if rollout.stop:
         tokenizer = getattr(engine, "tokenizer", None)
         if tokenizer is None:
             raise EngineError("rollout.stop needs an engine with a tokenizer")
         gens = [stop_at_strings(g, tokenizer, rollout.stop) for g in gens]
+    if log is not None and seeds is not None and not extra and isinstance(engine, HFEngine):
+        kept = [len(g.response_ids) for g in gens] if rollout.stop else None
+        log.call(prompts, prompt_ids, seeds, params, engine, raw, kept)
     return gens
 
 
@@ -137,6 +145,7 @@ class RolloutRole(Actor):
         self.prompts_url, self.samples_url, self.model_dir = prompts_url, samples_url, model_dir
         self.run_dir = Path(run_dir) if run_dir else None
         self.engine: GenerationEngine | None = None
+        self.generations: GenerationLog | None = None
         self.sampler: Sampler | None = None
         self.sessions: SessionStore | None = None
         self.server: AgentServer | None = None
@@ -166,6 +175,8 @@ class RolloutRole(Actor):
             lora=self.cfg.model.lora,
         )
         rollout = self.cfg.rollout
+        if self.run_dir is not None and self.cfg.trainer.record:  # for relax replay --regenerate
+            self.generations = GenerationLog(self.run_dir / RECORD_DIR, self.context.id)
         if rollout.agent.kind != "single" or rollout.serves():
             self.tokenizer = getattr(self.engine, "tokenizer", None) or load_tokenizer(
                 self.model_dir
@@ -176,6 +187,8 @@ class RolloutRole(Actor):
             self.sessions = SessionStore(self.tokenizer, max_sessions=rollout.server.max_sessions)
 
     async def on_stop(self) -> None:
+        if self.generations is not None:
+            self.generations.close()
         if self.server is not None:
             await self.server.aclose()
             if self.run_dir is not None:  # nobody may connect to a stopped endpoint
@@ -421,7 +434,7 @@ class RolloutRole(Actor):
         """One reply per sample, scored later by the reward role."""
         cfg, engine = self.cfg, self.engine
         assert engine is not None
-        gens = await generate_groups(engine, cfg, admitted, stops)
+        gens = await generate_groups(engine, cfg, admitted, stops, self.generations)
         return sample_rows(admitted, gens, n)
 
 

@@ -229,13 +229,18 @@ def check_stopped_run(run_dir: Path) -> int:
     return steps
 
 
-def check_replays_identically(run_dir: Path, steps: int) -> None:
-    """``relax replay`` of the run re-executes its ``steps`` applied steps bit for bit."""
+def check_replays_identically(run_dir: Path, steps: int, *, regenerate: bool = True) -> None:
+    """``relax replay`` of the run re-executes its ``steps`` applied steps bit for bit; with
+    ``regenerate`` (runs without agents) every trained row is generated again, identically."""
     from relax.replay import replay
 
-    report = replay(run_dir)
+    report = replay(run_dir, regenerate=regenerate)
     assert report.identical, report.divergences[:3]
     assert report.applied == steps, report
+    if regenerate:
+        regen = report.regenerated
+        assert regen is not None and regen.rows > 0 and regen.unrecorded == 0, regen
+        assert regen.identical == regen.rows, regen
 
 
 # --------------------------------------------------------------------------- metrics

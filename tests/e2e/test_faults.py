@@ -148,6 +148,10 @@ async def test_roles_sigkilled_mid_run_lose_nothing_and_train_nothing_twice(tmp_
     # before a new trainer recorded its start leaves no start: at most one per kill.
     from relax.replay import replay
 
-    report = replay(run_dir)
+    report = replay(run_dir, regenerate=True)
     assert report.identical, report.divergences[:3]
     assert report.applied == steps and 1 <= report.restarts <= kills["trainer"], report
+    # And every trained row generates again as its rollout generated it (a rollout killed
+    # after generating retried its prompts: the row equals one of the recorded calls).
+    regen = report.regenerated
+    assert regen is not None and regen.unrecorded == 0 and regen.identical == regen.rows, regen

@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 from relax import cluster
 from relax.cli import app
 from relax.config import load_config
-from tests.e2e.audit import check_replays_identically
-from tests.e2e.test_recipes import EXAMPLES, records
+from tests.e2e.audit import check_replays_identically, read_jsonl
+from tests.e2e.test_recipes import EXAMPLES
 
 pytest.importorskip("peft")
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -36,7 +36,7 @@ async def test_lora_recipe_learns_and_publishes_only_the_adapter(tmp_path: Path)
     )
     layout = await cluster.run(cfg, tmp_path / "run")
     run = layout.run_dir
-    applied = [s for s in records(run / "metrics.jsonl") if s["applied"]]
+    applied = [s for s in read_jsonl(run / "metrics.jsonl") if s["applied"]]
     assert [s["step"] for s in applied] == list(range(1, STEPS + 1))
 
     rewards = [s["reward_mean"] for s in applied]

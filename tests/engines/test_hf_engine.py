@@ -11,6 +11,7 @@ import torch
 
 from relax.engines import EngineError, Generation, GenerationEngine, HFEngine, SamplingParams
 from relax.models import load_policy
+from relax.replay import chunk_schedules
 from tests.actors.helpers import wait_until
 from tests.engines.contract import PROMPTS, EngineContract, Swap, close, greedy, recompute
 
@@ -96,6 +97,39 @@ async def test_interruptible_engine_swaps_weights_between_tokens(
     # The next generation runs wholly on the new weights.
     after = await engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=1))
     assert all(g.version == 1 and close(g, reference_models[1]) for g in after)
+
+
+async def test_a_recorded_decode_regenerates_bit_for_bit_with_its_switches(
+    tiny_dir: Path, reference_models: dict[int, torch.nn.Module]
+) -> None:
+    """``regenerate`` decodes a call again as it ran (``relax replay --regenerate``): the same
+    chunks, each token on the weights version recorded for it, switching where the original
+    did; one version switched one token later already changes the logprobs."""
+    engine = HFEngine.from_pretrained(tiny_dir, max_batch_size=4, interruptible=True)
+    prompts, seeds = PROMPTS * 3, [11, 12, 13, 14, 15, 16][: len(PROMPTS) * 3]
+    params = SamplingParams(max_new_tokens=120, n=2)
+    task = asyncio.create_task(engine.generate(prompts, params, seeds=seeds))
+    await wait_until(lambda: engine._generating, what="the decode loop to run")
+    await engine.load_weights(1, reference_models[1].state_dict())
+    gens = await task
+    schedules = chunk_schedules(gens, engine.max_batch_size)
+    assert len(schedules) == -(-len(gens) // 4) and {0, 1} <= set(schedules[0])
+    weights = {v: m.state_dict() for v, m in reference_models.items()}
+
+    again = HFEngine.from_pretrained(tiny_dir, max_batch_size=4)  # not interruptible: no matter
+    regenerated = again.regenerate(prompts, params, seeds, schedules, weights.__getitem__)
+    assert [(g.response_ids, g.logprobs, g.token_versions) for g in regenerated] == [
+        (g.response_ids, g.logprobs, g.token_versions) for g in gens
+    ]
+    # Only the first chunk, its switch one token later: its rows differ from there on.
+    late = list(schedules[0])
+    at = late.index(1)
+    late[at] = 0
+    only_first = [late] + [None] * (len(schedules) - 1)
+    moved = again.regenerate(prompts, params, seeds, only_first, weights.__getitem__)
+    assert moved[4:] == [None] * (len(gens) - 4)
+    for old, new in zip(gens[:4], moved[:4], strict=True):
+        assert new.logprobs[:at] == old.logprobs[:at] and new.logprobs[at] != old.logprobs[at]
 
 
 async def test_interruptible_engine_refuses_a_bad_update_mid_generation(

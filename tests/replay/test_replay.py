@@ -16,7 +16,7 @@ import pytest
 
 from relax import cluster
 from relax.config import load_config
-from relax.replay import RECORD_DIR, Record, RecordError, replay
+from relax.replay import GENERATIONS_DIR, RECORD_DIR, Record, RecordError, replay
 
 pytestmark = [pytest.mark.anyio]
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "digits" / "cluster.toml"
@@ -33,12 +33,22 @@ def _metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("staleness", ["0", "1", '"inf"'])
-async def test_a_run_replays_bit_for_bit(tmp_path: Path, staleness: str) -> None:
-    run = await _run(tmp_path / "run", f"staleness={staleness}")
-    report = replay(run)
+@pytest.mark.parametrize(
+    ("staleness", "extra"),
+    [("0", []), ("1", []), ('"inf"', []), ("1", ['rollout.stop=["7", "+"]'])],
+    ids=["0", "1", "inf", "1-stop-strings"],
+)
+async def test_a_run_replays_bit_for_bit(tmp_path: Path, staleness: str, extra: list) -> None:
+    run = await _run(tmp_path / "run", f"staleness={staleness}", *extra)
+    report = replay(run, regenerate=True)
     assert report.identical, report.divergences[:3]
     assert report.steps == report.applied == STEPS and report.restarts == 0
+    # Every trained row (32 a step) generated again from its seed, in its decode batch, on
+    # the replay's weights of each version it was generated with: the same tokens, the same
+    # logprobs' bits.
+    regen = report.regenerated
+    assert regen is not None and regen.rows == regen.identical == 32 * STEPS, regen
+    assert regen.unrecorded == 0
     # Every step's loss, grad norm, other metrics and weights digest, and each start's.
     assert report.compared > STEPS * 10
     replayed, original = _metrics(report.out_dir), _metrics(run)
@@ -63,6 +73,29 @@ async def test_a_record_the_trainer_does_not_reproduce_is_caught_where_it_differ
     assert not report.identical
     assert [(d.step, d.what) for d in report.divergences] == [(3, "loss"), (5, "weights")]
     assert report.steps == STEPS  # it goes on, counting every difference
+
+
+async def test_a_generation_the_engine_does_not_reproduce_is_caught_at_its_rows(
+    tmp_path: Path,
+) -> None:
+    run = await _run(tmp_path / "run", "staleness=0")
+    log = next((run / RECORD_DIR / GENERATIONS_DIR).glob("*.jsonl"))
+    calls = [json.loads(x) for x in log.read_text().splitlines()]
+    assert len(calls) >= STEPS and all(set(c["chunks"][0]) == {i} for i, c in enumerate(calls))
+    calls[2]["seeds"][1] += 1  # prompt 1 of the call trained at step 3: other samples
+    calls[5]["chunks"][0] = [4] * len(calls[5]["chunks"][0])  # step 6's rows: older weights
+    log.write_text("".join(json.dumps(c) + "\n" for c in calls))
+    report = replay(run, regenerate=True)
+    assert not report.identical and report.regenerated is not None
+    differ = {(d.step, d.what.split()[0].rpartition("/")[0]) for d in report.divergences}
+    assert differ == {(3, calls[2]["uids"][1])} | {(6, uid) for uid in calls[5]["uids"]}
+    # Other weights change every row's logprobs (8 samples of 4 prompts); another seed
+    # changes the sampled tokens of most of its prompt's 8.
+    assert sum(d.step == 6 for d in report.divergences) == 32
+    assert sum(d.step == 3 for d in report.divergences) >= 4
+    assert report.regenerated.identical == 32 * STEPS - len(report.divergences)
+    with pytest.raises(RecordError, match="counterfactual"):
+        replay(run, regenerate=True, overrides=["trainer.lr=0.05"])
 
 
 async def test_set_trains_the_recorded_data_another_way(tmp_path: Path) -> None:
