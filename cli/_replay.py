@@ -80,10 +80,15 @@ def replay(
     regen = report.regenerated
     if regen is not None:
         typer.echo(
-            f"regenerated {regen.rows} trained rows in {regen.chunks} decode batches: "
-            f"{regen.identical} identical, {regen.rows - regen.identical} differ"
+            f"regenerated {regen.rows} trained rows with {regen.engine} in {regen.chunks} "
+            f"decode batches: {regen.identical} identical, {regen.rows - regen.identical} differ"
             + (f", {regen.unrecorded} not recorded (agent episodes)" if regen.unrecorded else "")
         )
+        if regen.engine == "vllm" and regen.identical < regen.rows:
+            typer.echo(
+                "vLLM does not promise the same tokens for the same seeds (its batched "
+                "kernels vary with the batch, on GPU): the first difference follows"
+            )
     if report.counterfactual:
         typer.echo("a counterfactual (--set): nothing compared with the record")
     elif report.divergences:

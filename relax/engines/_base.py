@@ -324,6 +324,23 @@ class GenerationEngine(abc.ABC):
     streams: bool = False
     """Whether ``generate`` reports tokens as they are sampled (``on_token``)."""
 
+    regenerates: bool = False
+    """Whether ``regenerate`` can run a recorded call again (``relax replay --regenerate``)."""
+
+    def regenerate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seeds: list[int],
+        schedules: Sequence[Sequence[int] | None],
+        weights: Callable[[int], StateDict],
+    ) -> list[Generation | None]:
+        """Decode a recorded call again (blocking): ``schedules[c]`` lists the weights version
+        of every decode step of chunk ``c`` (the engine's decode batches), ``weights(v)`` gives
+        version ``v``'s state dict; a chunk scheduled ``None`` is skipped (its generations are
+        ``None``)."""
+        raise EngineError(f"{type(self).__name__} cannot regenerate a recorded call")
+
     @property
     @abc.abstractmethod
     def version(self) -> int:

@@ -107,6 +107,7 @@ class HFEngine(GenerationEngine):
     """
 
     streams = True
+    regenerates = True
 
     def __init__(
         self,

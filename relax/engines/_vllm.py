@@ -53,7 +53,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +195,23 @@ def _mix_seed(*parts: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def _jobs(
+    prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int] | None
+) -> list[tuple[list[int], int, int | None]]:
+    """One request per (prompt, sample), each with its own seed (see the module docstring)."""
+    jobs = []
+    for i, prompt in enumerate(prompts):
+        for k in range(params.n):
+            if seeds is not None:
+                job_seed: int | None = _mix_seed(seeds[i], k)
+            elif params.seed is not None:
+                job_seed = _mix_seed(params.seed, i, k)
+            else:
+                job_seed = None
+            jobs.append((list(prompt), k, job_seed))
+    return jobs
+
+
 def _expected_weights(config: Any) -> tuple[dict[str, tuple[int, ...]], list[list[str]]]:
     """The HF model's weight names and shapes, and its groups of tied names (one suffices).
 
@@ -214,6 +231,8 @@ def _expected_weights(config: Any) -> tuple[dict[str, tuple[int, ...]], list[lis
 
 class VLLMEngine(GenerationEngine):
     """Sample with an in-process ``vllm.LLM``; build it with ``from_pretrained``."""
+
+    regenerates = True
 
     def __init__(
         self,
@@ -346,19 +365,9 @@ class VLLMEngine(GenerationEngine):
     async def _generate(self, call: GenerateCall) -> list[Generation]:
         if not call.prompts:
             return []
-        params, seeds = call.params, call.seeds
-        jobs = []
-        for i, prompt in enumerate(call.prompts):
-            for k in range(params.n):
-                if seeds is not None:
-                    job_seed: int | None = _mix_seed(seeds[i], k)
-                elif params.seed is not None:
-                    job_seed = _mix_seed(params.seed, i, k)
-                else:
-                    job_seed = None
-                jobs.append((prompt, k, job_seed))
+        jobs = _jobs(call.prompts, call.params, call.seeds)
         async with self._async_lock():
-            return await asyncio.to_thread(self._generate_sync, jobs, params)
+            return await asyncio.to_thread(self._generate_sync, jobs, call.params)
 
     async def load_weights(self, version: int, state_dict: StateDict) -> None:
         items = list(state_dict.items()) if isinstance(state_dict, Mapping) else list(state_dict)
@@ -368,6 +377,37 @@ class VLLMEngine(GenerationEngine):
     async def close(self) -> None:
         async with self._async_lock():
             await asyncio.to_thread(self._close_sync)
+
+    def regenerate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seeds: list[int],
+        schedules: Sequence[Sequence[int] | None],
+        weights: Callable[[int], StateDict],
+    ) -> list[Generation | None]:
+        """Run a recorded call again (``relax replay --regenerate``; blocking, off any event
+        loop): the same requests with the same seeds, in one ``LLM.generate``, on the weights
+        of the version the call ran on, older ones too (``weights(v)``). vLLM finishes a call
+        on one version, so a call is one chunk: ``schedules`` is ``[versions]`` (one version
+        throughout) or ``[None]`` (nothing to decode). Whether vLLM repeats itself bit for bit
+        is exactly what the caller checks: its batched kernels do not promise it on GPU."""
+        if len(schedules) != 1:
+            raise EngineError(f"a vLLM call is one chunk, not {len(schedules)}")
+        jobs = _jobs(prompts, params, seeds)
+        (schedule,) = schedules
+        if schedule is None:
+            return [None] * len(jobs)
+        if len(set(schedule)) != 1:
+            raise EngineError(
+                f"a vLLM call runs on one weights version, not {sorted(set(schedule))}"
+            )
+        if self.adapters is not None:
+            raise EngineError("regenerating with vLLM serves full weights, not LoRA adapters")
+        version = schedule[0]
+        if version != self._version:
+            self._load_sync(version, list(weights(version).items()), any_version=True)
+        return list(self._generate_sync(jobs, params))
 
     # ------------------------------------------------------------------ generation
 
@@ -464,11 +504,13 @@ class VLLMEngine(GenerationEngine):
         if problems:
             raise EngineError("weight update refused: " + "; ".join(problems[:5]))
 
-    def _load_sync(self, version: int, items: list[tuple[str, torch.Tensor]]) -> None:
+    def _load_sync(
+        self, version: int, items: list[tuple[str, torch.Tensor]], *, any_version: bool = False
+    ) -> None:
         with self._thread_lock, _PROCESS_LOCK:
             llm = self._open_llm()
             started = time.perf_counter()
-            if version < self._version:
+            if version < self._version and not any_version:
                 raise EngineError(
                     f"weights version {version} is older than the served version {self._version}"
                 )

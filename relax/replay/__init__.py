@@ -7,6 +7,7 @@ from relax.replay._generations import (
     GenerationLog,
     RegenerateReport,
     chunk_schedules,
+    read_calls,
 )
 from relax.replay._record import (
     RECORD_DIR,
@@ -32,6 +33,7 @@ __all__ = [
     "chunk_schedules",
     "comparable_metrics",
     "drop_unpublished",
+    "read_calls",
     "replay",
     "weights_digest",
 ]

@@ -4,10 +4,11 @@ The trainer's record (``relax.replay._record``) says which rows each step traine
 say how a row was generated. Each rollout therefore appends one JSON line per generate call
 of the HF engine to ``record/generations/<replica>.jsonl``:
 
-``{"uids", "prompts", "seeds", "params", "max_batch_size", "device", "threads", "chunks",
-"kept"}``
-    the prompt rows' uids and token ids, their sampling seeds, the sampling parameters, how
-    the engine cut the call's ``n`` samples per prompt into decode batches, its device and
+``{"engine", "uids", "prompts", "seeds", "params", "max_batch_size", "device", "threads",
+"chunks", "kept"}``
+    the engine ("hf" or "vllm"), the prompt rows' uids and token ids, their sampling seeds,
+    the sampling parameters, how the engine cut the call's ``n`` samples per prompt into
+    decode batches (vLLM: the whole call is one), its device and
     torch thread count, per batch (chunk) the weights version of every decode step — one
     version throughout, or the switches of an interruptible generation — and, with
     ``rollout.stop``, how many tokens of each generation the stop strings kept.
@@ -23,10 +24,12 @@ unrecorded, counted as such, never wrong.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections import Counter
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -70,20 +73,28 @@ class GenerationLog:
         engine: Any,
         gens: list[Any],
         kept: list[int] | None = None,
+        kind: str = "hf",
     ) -> None:
         """One call: ``gens`` as the engine returned them (before any stop string cut them to
         ``kept`` tokens)."""
         import torch
 
+        # The HF engine decodes a call in batches of max_batch_size; vLLM schedules the whole
+        # call itself (one chunk, replayed as one LLM.generate).
+        batch = getattr(engine, "max_batch_size", None) or max(len(gens), 1)
+        device = engine.weights_device  # None: vLLM's workers, on the platform's device
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         line = {
+            "engine": kind,
             "uids": [r["uid"] for r in prompts],
             "prompts": prompt_ids,
             "seeds": seeds,
             "params": asdict(params),
-            "max_batch_size": engine.max_batch_size,
-            "device": str(engine.weights_device),
+            "max_batch_size": batch,
+            "device": str(device),
             "threads": torch.get_num_threads(),
-            "chunks": chunk_schedules(gens, engine.max_batch_size),
+            "chunks": chunk_schedules(gens, batch),
             "kept": kept,
         }
         self._file.write(json.dumps(line).encode() + b"\n")
@@ -107,6 +118,8 @@ def read_calls(record_dir: Path) -> list[dict[str, Any]]:
 
 @dataclass
 class RegenerateReport:
+    engine: str = "hf"
+    """The engine that generated the run and regenerated it ("hf" or "vllm")."""
     rows: int = 0
     """Trained rows regenerated and compared."""
     identical: int = 0
@@ -150,12 +163,6 @@ class Regenerator:
     """
 
     def __init__(self, record_dir: Path, cfg: Any, model_dir: str, trained: list[str]) -> None:
-        if cfg.rollout.engine != "hf":
-            raise RecordError(
-                f"--regenerate decodes again with the HF engine; the run generated with "
-                f"rollout.engine = {cfg.rollout.engine!r}, whose batched kernels are not "
-                "deterministic (vLLM on GPU): its rows cannot be regenerated bit for bit"
-            )
         self.cfg, self.model_dir = cfg, model_dir
         self.calls = read_calls(record_dir)
         if not self.calls:
@@ -163,9 +170,21 @@ class Regenerator:
                 f"no recorded generations in {record_dir / GENERATIONS_DIR} (a run from "
                 "before the record had them, or one whose rows came from agents)"
             )
-        bad = {c["device"] for c in self.calls} - {"cpu"}
-        if bad:
-            raise RecordError(f"the run generated on {sorted(bad)}: --regenerate checks CPU runs")
+        kinds = {c.get("engine", "hf") for c in self.calls}
+        if len(kinds) > 1:
+            raise RecordError(f"the run's rollouts generated with several engines: {kinds}")
+        self.engine_kind = kinds.pop()
+        devices = {c["device"] for c in self.calls}
+        if self.engine_kind == "hf" and devices != {"cpu"}:
+            # The HF engine regenerates on the CPU: a GPU's kernels round otherwise.
+            raise RecordError(f"the run generated on {sorted(devices)}: HF regenerates CPU runs")
+        if "cpu" not in devices:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise RecordError(f"the run generated on {sorted(devices)}: this machine has none")
+        if self.engine_kind == "vllm" and cfg.model.lora is not None:
+            raise RecordError("--regenerate with vLLM serves full weights, not LoRA adapters")
         if any(s is None for c in self.calls for s in c["seeds"]):
             raise RecordError("the run sampled unseeded (rollout.seed unset): nothing to replay")
         where: dict[str, list[tuple[int, int]]] = {}
@@ -187,7 +206,7 @@ class Regenerator:
         self._needed = Counter(v for (i, c) in uses for v in set(self.calls[i]["chunks"][c]))
         self._held: dict[int, dict[str, Any]] = {}
         self._done: dict[tuple[int, int], list[Any]] = {}  # regenerated chunks, while needed
-        self.report = RegenerateReport()
+        self.report = RegenerateReport(engine=self.engine_kind)
         self._engine: Any = None
 
     def produced(self, version: int, state: Mapping[str, Any]) -> None:
@@ -234,15 +253,18 @@ class Regenerator:
             return None
         import torch
 
-        from relax.engines import HFEngine, SamplingParams
+        from relax.engines import HFEngine, SamplingParams, open_engine
 
-        if self._engine is None:
-            cfg = self.cfg
+        cfg = self.cfg
+        if self._engine is None and self.engine_kind == "vllm":
+            self._engine = open_engine(cfg.rollout, self.model_dir, cfg.model.dtype)
+        elif self._engine is None:
             self._engine = HFEngine.from_pretrained(
                 self.model_dir, cfg.model.dtype, lora=cfg.model.lora
             )
         engine = self._engine
-        engine.max_batch_size = call["max_batch_size"]
+        if isinstance(engine, HFEngine):
+            engine.max_batch_size = call["max_batch_size"]
         threads = torch.get_num_threads()
         torch.set_num_threads(call["threads"])  # the sums' split, as the rollout's
         try:
@@ -259,6 +281,13 @@ class Regenerator:
         self.report.chunks += 1
         self._done[chunk] = gens
         return gens
+
+    def close(self) -> None:
+        """Close the engine (vLLM's in-process workers); from sync code, even under a loop."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            with ThreadPoolExecutor(1) as pool:
+                pool.submit(asyncio.run, engine.close()).result()
 
     def _release(self, chunk: tuple[int, int]) -> None:
         self._uses[chunk] -= 1

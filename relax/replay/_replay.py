@@ -19,6 +19,7 @@ replay is a counterfactual: the same recorded data trained another way; nothing 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -172,7 +173,10 @@ def replay(
             report.divergences.append(Divergence(index, step, what, recorded, replayed))
 
     backend: Any = None
-    with open(out / "metrics.jsonl", "w") as metrics_file:
+    with contextlib.ExitStack() as stack:
+        metrics_file = stack.enter_context(open(out / "metrics.jsonl", "w"))
+        if regen is not None:
+            stack.callback(regen.close)
         for index, event in enumerate(record.events):
             kind = event["event"]
             if kind == "start":

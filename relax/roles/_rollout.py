@@ -48,7 +48,6 @@ from relax.engines import (
     EngineError,
     Generation,
     GenerationEngine,
-    HFEngine,
     SamplingParams,
     open_engine,
 )
@@ -86,8 +85,8 @@ async def generate_groups(
     log: GenerationLog | None = None,
 ) -> list[Generation]:
     """``data.n_samples_per_prompt`` samples of each prompt row, as ``[rollout]`` says, each
-    prompt seeded by its id (see the module docstring); a text call of the HF engine goes to
-    ``log`` (what ``relax replay --regenerate`` decodes again)."""
+    prompt seeded by its id (see the module docstring); a seeded text call goes to ``log``
+    (what ``relax replay --regenerate`` decodes again)."""
     rollout = cfg.rollout
     media = [r["columns"].get(MM_INPUTS) for r in prompts]
     # Media travel with their prompt as processed once by the dataset role: the engine sees
@@ -108,9 +107,9 @@ async def generate_groups(
         if tokenizer is None:
             raise EngineError("rollout.stop needs an engine with a tokenizer")
         gens = [stop_at_strings(g, tokenizer, rollout.stop) for g in gens]
-    if log is not None and seeds is not None and not extra and isinstance(engine, HFEngine):
+    if log is not None and seeds is not None and not extra and engine.regenerates:
         kept = [len(g.response_ids) for g in gens] if rollout.stop else None
-        log.call(prompts, prompt_ids, seeds, params, engine, raw, kept)
+        log.call(prompts, prompt_ids, seeds, params, engine, raw, kept, rollout.engine)
     return gens
 
 

@@ -16,6 +16,7 @@ import pytest
 from relax import cluster
 from relax.config import load_config
 from relax.engines._vllm import INSTALL_HINT
+from relax.replay import RECORD_DIR, read_calls, replay
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "digits" / "cluster.toml"
@@ -49,3 +50,16 @@ async def test_digits_recipe_runs_on_vllm(tmp_path: Path) -> None:
     bound = cfg.staleness_bound
     for r in rows:
         assert r["oldest_row_version"] >= r["trainer_version_at_take"] - bound, r
+    # The rollouts recorded their vLLM calls: a replay generates every trained row again with
+    # vLLM on the replay's own weights of its version (older ones loaded after newer ones).
+    # vLLM on the CPU repeats itself bit for bit; a difference is reported where it starts.
+    report = replay(layout.run_dir, regenerate=True)
+    regen = report.regenerated
+    assert regen is not None and regen.engine == "vllm"
+    trained = STEPS * cfg.trainer.global_batch_size
+    assert (regen.rows, regen.unrecorded) == (trained, 0), regen
+    calls = read_calls(layout.run_dir / RECORD_DIR)
+    assert {c["engine"] for c in calls} == {"vllm"}
+    assert len({v for c in calls for chunk in c["chunks"] for v in chunk}) > 1, calls
+    assert regen.identical == regen.rows, report.divergences[:3]
+    assert report.identical, report.divergences[:3]

@@ -96,6 +96,20 @@ async def test_a_generation_the_engine_does_not_reproduce_is_caught_at_its_rows(
     assert report.regenerated.identical == 32 * STEPS - len(report.divergences)
     with pytest.raises(RecordError, match="counterfactual"):
         replay(run, regenerate=True, overrides=["trainer.lr=0.05"])
+    # What cannot be regenerated bit for bit is refused, with its reason, before anything runs.
+    refused = [
+        ("device", "cuda:0", "HF regenerates CPU runs"),
+        ("seeds", [None] * 4, "unseeded"),
+        ("engine", "vllm", "several engines"),
+    ]
+    for key, value, reason in refused:
+        log.write_text(
+            "".join(
+                json.dumps(c | {key: value} if i == 1 else c) + "\n" for i, c in enumerate(calls)
+            )
+        )
+        with pytest.raises(RecordError, match=reason):
+            replay(run, regenerate=True)
 
 
 async def test_set_trains_the_recorded_data_another_way(tmp_path: Path) -> None:
