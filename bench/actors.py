@@ -132,18 +132,20 @@ RECIPE = Path(__file__).resolve().parents[1] / "examples" / "digits" / "cluster.
 ROLES = ("prompts", "samples", "dataset", "reward-0", "trainer", "rollout-0")
 
 
-async def role_recovery(kills: int) -> dict[str, list[float]]:
-    """SIGKILL -> serving again, per role of a running digits run (see the module docstring)."""
+async def role_recovery(kills: int, standby: bool) -> dict[str, list[float]]:
+    """SIGKILL -> serving again, per role of a running digits run (see the module docstring);
+    with ``standby``, each kill waits until the role's warm spare is ready."""
     from relax import cluster
     from relax.bus import BusClient
     from relax.config import load_config
-    from tests.actors.helpers import find
+    from tests.actors.helpers import find, wait_until
 
     overrides = [
         *(f'{r}.placement="process"' for r in ("dataset", "reward", "trainer", "rollout")),
         "trainer.steps=1000000",  # it must not finish while we kill it
         f"supervisor.intensity={len(ROLES) * kills + 1}",
         "supervisor.period=3600",
+        f"supervisor.standby={str(standby).lower()}",
     ]
     cfg = load_config(RECIPE, overrides=overrides)
     took: dict[str, list[float]] = {r: [] for r in ROLES}
@@ -161,6 +163,9 @@ async def role_recovery(kills: int) -> dict[str, list[float]]:
                         return e["pids"]
                     await asyncio.sleep(0.02)
 
+            async def spare_ready(role: str) -> bool:
+                return bool((await entry(role))["spares"])
+
             for role in ROLES:
                 await running(role)
             urls = {"prompts": layout.prompts_url, "samples": layout.samples_url}
@@ -168,6 +173,10 @@ async def role_recovery(kills: int) -> dict[str, list[float]]:
                 for role in ROLES:
                     old = (await running(role))[0]
                     await asyncio.sleep(1.0)  # let the run settle after the previous kill
+                    if standby:
+                        await wait_until(
+                            lambda role=role: spare_ready(role), 120, f"{role}'s spare"
+                        )
                     start = time.perf_counter()
                     os.kill(old, signal.SIGKILL)
                     while True:
@@ -210,12 +219,26 @@ async def main(calls: int, rounds: int, kills: int) -> None:
     report("call rtt, process over tcp", results["tcp"], results["ntcp"], 1e6, "us")
     report("SIGKILL -> answering again", results["r"], results["sp"], 1e3, "ms")
     if kills:
-        recovered = await role_recovery(kills)
-        print(f"recovery budget of a digits run, SIGKILL -> serving again ({kills} kills each):")
-        for role, times in recovered.items():
+        cold = await role_recovery(kills, standby=False)
+        warm = await role_recovery(kills, standby=True)
+        bare = [spawn_baseline() for _ in range(rounds)]
+        print(
+            f"recovery of a digits run, SIGKILL -> serving again ({kills} kills each), cold "
+            "(a new interpreter) and warm ([supervisor] standby: a spare takes over):"
+        )
+        for role in ROLES:
+            c, w = cold[role], warm[role]
             print(
-                f"  {role:<12} median {statistics.median(times):6.2f} s   max {max(times):6.2f} s"
+                f"  {role:<12} cold median {statistics.median(c):6.2f} s  max {max(c):6.2f} s"
+                f"   warm median {statistics.median(w):6.2f} s  max {max(w):6.2f} s"
+                f"   warm/cold {statistics.median(w) / statistics.median(c):5.2f}x"
             )
+        print(
+            f"  bare interpreter start (python -c 'import relax.actors._host'): "
+            f"median {statistics.median(bare):6.2f} s"
+        )
+        worst = max(statistics.median(warm[r]) for r in ROLES)
+        print(f"recovery_warm_median_max = {worst:.3f}")
 
 
 if __name__ == "__main__":

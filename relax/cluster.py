@@ -182,9 +182,10 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 """Read by torch (and the BLAS it uses) when it starts: a child's thread budget."""
 
 
-def _placement(role: Any, host: str = "127.0.0.1") -> Placement:
+def _placement(role: Any, host: str = "127.0.0.1", standby: bool = False) -> Placement:
     """Where ``role`` runs; ``host`` is where a Ray child (possibly on another node) dials its
-    supervisor: ``[cluster] host``."""
+    supervisor: ``[cluster] host``; ``standby``: a process child keeps a warm spare
+    (``[supervisor] standby``)."""
     if role.placement == "inproc":
         return InProc()
     threads = getattr(role, "threads", None)
@@ -195,7 +196,7 @@ def _placement(role: Any, host: str = "127.0.0.1") -> Placement:
         "env": env,
     }
     if role.placement == "process":
-        return Process(**watch)
+        return Process(**watch, standby=standby)
     if role.placement == "ray":
         ray = role.ray
         return Ray(
@@ -276,7 +277,8 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
         "capacity": bus.capacity,
         "batch_size": cfg.trainer.global_batch_size,
     }
-    in_process = InProc() if cfg.bus_transport == "inproc" else Process()
+    standby = cfg.supervisor.standby
+    in_process = InProc() if cfg.bus_transport == "inproc" else Process(standby=standby)
     shared = {"config": plain, "model_dir": str(layout.model_dir)}
     run_dir = {"run_dir": str(layout.run_dir)}
     prompts_at = {"prompts_url": layout.prompts_url}
@@ -321,7 +323,7 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
                 actor.id,
                 actor.start,
                 kwargs=dict(actor.kwargs),
-                placement=_placement(actor, cfg.cluster.host),
+                placement=_placement(actor, cfg.cluster.host, cfg.supervisor.standby),
                 restart=Restart(actor.restart),
                 shutdown=cfg.shutdown_for(actor),
                 gang=actor.gang,
@@ -354,7 +356,7 @@ def _role_spec(
         child_id,
         cls,
         kwargs=kwargs,
-        placement=_placement(role_cfg, cfg.cluster.host),
+        placement=_placement(role_cfg, cfg.cluster.host, cfg.supervisor.standby),
         restart=Restart(restart or role_cfg.restart),
         shutdown=cfg.shutdown_for(role_cfg),
         gang=role_cfg.gang,

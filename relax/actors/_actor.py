@@ -52,6 +52,9 @@ class Actor:
     """Handlers that may run at once (1: strictly one message at a time)."""
     private_api: ClassVar[frozenset[str]] = frozenset()
     """Public methods that are local API, not handlers callers may invoke by name."""
+    warm_imports: ClassVar[tuple[str, ...]] = ()
+    """Modules a warm spare (``Process(standby=True)``) imports in advance besides the actor's
+    own: those its ``on_start`` imports lazily, which a restart would otherwise wait for."""
 
     context: ActorContext
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import ctypes
 import faulthandler
+import importlib
 import os
 import signal
 import sys
@@ -24,8 +25,16 @@ from relax.actors._actor import ActorContext
 from relax.actors._build import build_actor
 from relax.actors._cell import Cell
 from relax.actors._exit import Exit
-from relax.actors._protocol import ENV_ADDR, ENV_TOKEN, STACKS_SIGNAL, Channel, exit_to_wire
+from relax.actors._protocol import (
+    ENV_ADDR,
+    ENV_PRELOAD,
+    ENV_TOKEN,
+    STACKS_SIGNAL,
+    Channel,
+    exit_to_wire,
+)
 from relax.errors import ActorDead, PeerGone, RelaxError, StartFailed, error_to_dict
+from relax.importpath import load
 from relax.log import bind_actor, configure_logging, get_logger
 
 _BYE_WAIT = 2.0
@@ -55,6 +64,7 @@ class _Host:
         if init.get("t") != "init":
             raise RelaxError(f"expected init, got {init.get('t')!r}")
         actor_id = str(init["id"])
+        os.environ.update({str(k): str(v) for k, v in (init.get("env") or {}).items()})
         bind_actor(actor_id)
         context = ActorContext(
             id=actor_id,
@@ -141,6 +151,11 @@ async def _serve(addr: str, token: str) -> int:
     host = _Host(channel)
     sock.add_post_pipe_remove_cb(lambda _pipe: loop.call_soon_threadsafe(host.parent_gone.set))
     sock.dial(addr, block=True)
+    preload = os.environ.pop(ENV_PRELOAD, "")
+    if preload:  # a spare: import the actor's module now, while nothing waits for it
+        with contextlib.suppress(Exception):  # building it later reports the failure properly
+            for module in getattr(load(preload), "warm_imports", ()):
+                importlib.import_module(module)
     exit_ = await host.start(token)
     if exit_ is not None:
         await _await_bye(host)

@@ -26,7 +26,10 @@ from relax.actors._exit import Exit
 from relax.actors._process import ProcessMember, ProcessOptions
 from relax.errors import StartFailed
 from relax.importpath import import_path
+from relax.log import get_logger
 from relax.runfiles import GANG_RENDEZVOUS_ENV
+
+log = get_logger("relax.actors")
 
 
 class LaunchSpec(Protocol):
@@ -96,7 +99,18 @@ class InProc:
 class Process(ProcessOptions):
     """Run each member in its own OS process, watched by heartbeats, spoken to over NNG."""
 
+    standby: bool = False
+    """Keep a spare child per member, started and with the actor's module imported, waiting
+    to be told which actor it is: a crashed child's restart takes it instead of starting a
+    new interpreter (the imports dominate a restart: seconds for torch and transformers), and
+    a new spare is prepared for the next crash. Costs one idle process per member, holding
+    its imports' memory. A spare not taken within ``start_timeout`` after its child crashed
+    (the supervisor gave up) is killed; a child stopped on purpose or ending normally takes
+    its spares along."""
     kind: Literal["process"] = field(default="process", init=False)
+    _spares: dict[int, _Spares] = field(
+        default_factory=dict, init=False, compare=False, hash=False, repr=False
+    )
 
     def check(self, spec: LaunchSpec) -> None:
         from relax.transport import dumps
@@ -125,15 +139,103 @@ class Process(ProcessOptions):
         return incarnation
 
     async def _launch(self, spec: LaunchSpec, gang_env: dict[str, str]) -> Incarnation:
+        spares = await self._take_spares(spec) if self.standby else None
 
         def starter(rank: int) -> Any:
             async def start(_: int) -> Member:
                 rank_env = {**gang_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-                return await start_member(ProcessMember, spec, self, rank, rank_env)
+                if spares is None:
+                    return await start_member(ProcessMember, spec, self, rank, rank_env)
+                await spares[rank].begin(rank_env)  # the gang's env reaches it only now
+                return spares[rank]
 
             return start
 
-        return await Incarnation.launch(spec.id, [starter(r) for r in range(spec.gang)])
+        incarnation = await Incarnation.launch(spec.id, [starter(r) for r in range(spec.gang)])
+        if self.standby:
+            self._prepare_spares(spec, incarnation)
+        return incarnation
+
+    def _prepare_spares(self, spec: LaunchSpec, incarnation: Incarnation) -> None:
+        """Start preparing ``spec``'s spares for when ``incarnation`` crashes."""
+
+        async def prepare() -> list[ProcessMember] | None:
+            members = [new_member(ProcessMember, spec, self, rank, {}) for rank in range(spec.gang)]
+            try:
+                tried = await asyncio.gather(
+                    *(m.prepare(preload=True) for m in members), return_exceptions=True
+                )
+            except BaseException:  # cancelled: its child was stopped on purpose
+                await asyncio.gather(*(m.shutdown(0) for m in members))
+                raise
+            failed = [e for e in tried if isinstance(e, BaseException)]
+            if failed:
+                log.warning(
+                    "a spare did not start; restarts start cold",
+                    child=spec.id,
+                    error=str(failed[0]),
+                )
+                await asyncio.gather(*(m.shutdown(0) for m in members))
+                return None
+            return members
+
+        spares = _Spares(spec, asyncio.create_task(prepare()))
+        old = self._spares.pop(id(spec), None)
+        if old is not None:
+            old.discard()
+        self._spares[id(spec)] = spares
+
+        def ended(done: asyncio.Future[Exit]) -> None:
+            if self._spares.get(id(spec)) is not spares:
+                return  # taken already
+            # Stopped on purpose, or finished its work: no restart is coming (a permanent
+            # child that ends normally restarts cold: its work ended, not its process).
+            if incarnation.stopped or done.result().normal:
+                self._spares.pop(id(spec)).discard()
+                return
+
+            def expire() -> None:
+                if self._spares.get(id(spec)) is spares:
+                    self._spares.pop(id(spec)).discard()
+
+            asyncio.get_running_loop().call_later(self.start_timeout, expire)
+
+        incarnation.done.add_done_callback(ended)
+
+    async def _take_spares(self, spec: LaunchSpec) -> list[ProcessMember] | None:
+        """``spec``'s spares, every one alive and waiting (``None``: start cold)."""
+        spares = self._spares.pop(id(spec), None)
+        if spares is None or spares.spec is not spec:
+            return None
+        members = await asyncio.shield(spares.ready)  # a crash soon after a start: wait for them
+        if members is None or any(m.done.done() for m in members):
+            spares.discard()
+            return None
+        return members
+
+    def spares(self, spec: LaunchSpec) -> list[int | None]:
+        """The pids of ``spec``'s spares ready now (empty: none, or not ready yet)."""
+        spares = self._spares.get(id(spec))
+        if spares is None or not spares.ready.done() or spares.ready.cancelled():
+            return []
+        members = spares.ready.result() or []
+        return [m.pid for m in members if not m.done.done()]
+
+
+class _Spares:
+    """A child's spares being prepared (``ready``: the members, ``None`` if they failed)."""
+
+    def __init__(self, spec: LaunchSpec, ready: asyncio.Task[list[ProcessMember] | None]) -> None:
+        self.spec, self.ready = spec, ready
+
+    def discard(self) -> None:
+        if not self.ready.done():
+            self.ready.cancel()  # prepare() kills what it spawned
+            return
+        if self.ready.cancelled() or self.ready.exception() is not None:
+            return
+        for member in self.ready.result() or []:
+            member.kill("a spare no restart took")  # now: the loop may be closing
 
 
 async def start_member(
@@ -146,7 +248,21 @@ async def start_member(
 ) -> Member:
     """Start member ``rank`` of ``spec`` as a ``cls`` (``ProcessMember`` or a subclass, which
     takes ``extra`` as further keyword arguments)."""
-    member = cls(
+    member = new_member(cls, spec, options, rank, gang_env, extra)
+    await member.start()
+    return member  # type: ignore[return-value]
+
+
+def new_member(
+    cls: type[ProcessMember],
+    spec: LaunchSpec,
+    options: ProcessOptions,
+    rank: int,
+    gang_env: dict[str, str],
+    extra: Mapping[str, Any] | None = None,
+) -> ProcessMember:
+    """Member ``rank`` of ``spec`` as a ``cls``, not started."""
+    return cls(
         actor_id=spec.id,
         target=import_path(spec.start),  # type: ignore[arg-type]
         args=spec.args,
@@ -157,8 +273,6 @@ async def start_member(
         gang_env=gang_env,
         **(extra or {}),
     )
-    await member.start()
-    return member  # type: ignore[return-value]
 
 
 def _gang_env(size: int, rendezvous: str | None) -> dict[str, str]:
@@ -193,6 +307,8 @@ class Incarnation:
         self.members = members
         self.done: asyncio.Future[Exit] = asyncio.get_running_loop().create_future()
         self._ending = False
+        self.stopped = False
+        """Whether it was stopped on purpose (``shutdown``), not ended by a crash."""
         self._ender: asyncio.Future[None] | None = None
         for rank, member in enumerate(members):
             member.done.add_done_callback(lambda fut, rank=rank: self._member_done(rank, fut))
@@ -250,7 +366,7 @@ class Incarnation:
 
     async def shutdown(self, timeout: float) -> Exit:
         """Stop every member together; each is killed after ``timeout`` (0: at once)."""
-        self._ending = True
+        self._ending = self.stopped = True
         exits = await asyncio.gather(*(m.shutdown(timeout) for m in self.members))
         worst = next((e for e in exits if not e.normal), exits[0])
         self._resolve(worst)

@@ -29,7 +29,14 @@ import pynng
 
 from relax.actors._cell import await_reply, fail
 from relax.actors._exit import Exit
-from relax.actors._protocol import ENV_ADDR, ENV_TOKEN, STACKS_SIGNAL, Channel, exit_from_wire
+from relax.actors._protocol import (
+    ENV_ADDR,
+    ENV_PRELOAD,
+    ENV_TOKEN,
+    STACKS_SIGNAL,
+    Channel,
+    exit_from_wire,
+)
 from relax.errors import ActorDead, RelaxError, StartFailed, TransportError, error_from_dict
 from relax.log import ENV_LOG_DIR, child_log_dir, get_logger
 
@@ -117,6 +124,14 @@ class ProcessMember:
     # ------------------------------------------------------------------ start
 
     async def start(self) -> None:
+        """Spawn the child and start the actor in it (``prepare``, then ``begin``)."""
+        await self.prepare()
+        await self.begin()
+
+    async def prepare(self, preload: bool = False) -> None:
+        """Spawn the child and wait for its hello; it then waits for its actor (``begin``).
+        With ``preload`` the child imports the actor's module first, so a spare prepared in
+        advance (``Process(standby=True)``) starts its actor with nothing left to import."""
         opts = self._options
         sock = pynng.Pair0(recv_max_size=opts.max_message_bytes)
         if opts.transport == "ipc":
@@ -138,39 +153,59 @@ class ProcessMember:
         if log_dir is not None and ENV_LOG_DIR not in opts.env:
             env[ENV_LOG_DIR] = log_dir
         env[ENV_ADDR], env[ENV_TOKEN] = addr, token
+        if preload:
+            env[ENV_PRELOAD] = self._target
         # The child must import what this process can import (tests, user modules), but a
         # folder of ours must never shadow the standard library or an installed package in
         # it (a json.py next to a config): it gets our path *appended* to its own.
         env[ENV_SYS_PATH] = os.pathsep.join(p for p in sys.path if p)
         await self._spawn(env)
         self._tasks.append(asyncio.create_task(self._watch_process()))
-        handshake = asyncio.create_task(self._handshake(token))
-        await asyncio.wait(
-            {handshake, self.done}, timeout=opts.start_timeout, return_when=asyncio.FIRST_COMPLETED
-        )
-        if handshake.done() and not handshake.cancelled() and handshake.exception() is None:
-            self._last_seen = time.monotonic()
-            self._tasks.append(asyncio.create_task(self._read()))
-            self._tasks.append(asyncio.create_task(self._watchdog()))
+        await self._within_start_timeout(self._hello(token))
+
+    async def begin(self, env: Mapping[str, str] | None = None) -> None:
+        """Start the actor in the prepared child; ``env`` is set in the child's environment
+        first (a spare learns its gang's ``RANK``/``MASTER_PORT``/… only now)."""
+        await self._within_start_timeout(self._init(dict(env or {})))
+        self._last_seen = time.monotonic()
+        self._tasks.append(asyncio.create_task(self._read()))
+        self._tasks.append(asyncio.create_task(self._watchdog()))
+
+    async def _within_start_timeout(self, step: Any) -> None:
+        """Run a start step; if it fails, times out or the child dies meanwhile, kill the
+        child and raise ``StartFailed`` with why."""
+        opts = self._options
+        task = asyncio.create_task(step)
+        try:
+            await asyncio.wait(
+                {task, self.done}, timeout=opts.start_timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        except BaseException:  # cancelled (a spare discarded): the step goes too
+            task.cancel()
+            raise
+        if task.done() and not task.cancelled() and task.exception() is None:
             return
-        if not handshake.done():
-            handshake.cancel()
+        if not task.done():
+            task.cancel()
             if not self.done.done():
                 self._cause = Exit("start", f"did not start within {opts.start_timeout}s")
-        elif handshake.exception() is not None and self._cause is None:
-            self._cause = Exit.from_exception(handshake.exception(), "start")  # type: ignore[arg-type]
+        elif task.exception() is not None and self._cause is None:
+            self._cause = Exit.from_exception(task.exception(), "start")  # type: ignore[arg-type]
         self._kill()
         exit_ = await self.done
         raise StartFailed(
             f"{self.actor_id}: {exit_.describe()}", actor_id=self.actor_id, cause=exit_
         )
 
-    async def _handshake(self, token: str) -> None:
+    async def _hello(self, token: str) -> None:
         assert self._channel is not None
         hello = await self._channel.recv()
         if hello.get("t") != "hello" or not secrets.compare_digest(str(hello.get("token")), token):
             log.warning("refused a child that did not present its token", actor=self.actor_id)
             raise TransportError("child failed the token handshake")
+
+    async def _init(self, env: dict[str, str]) -> None:
+        assert self._channel is not None
         await self._channel.send(
             "init",
             target=self._target,
@@ -181,6 +216,7 @@ class ProcessMember:
             size=self._size,
             hb=self._options.heartbeat_interval,
             placement=self.placement_kind,
+            env=env,
         )
         reply = await self._channel.recv()
         if reply.get("t") == "start_failed":
@@ -282,6 +318,11 @@ class ProcessMember:
             shutil.rmtree(self._dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ stop
+
+    def kill(self, why: str) -> None:
+        """SIGKILL the child now (from sync code too: a discarded spare)."""
+        self._cause = self._cause or Exit("shutdown", why, signal="SIGKILL")
+        self._kill()
 
     def _kill(self) -> None:
         if self._proc is not None and self._proc.returncode is None:

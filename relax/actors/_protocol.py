@@ -5,7 +5,8 @@ Every message is one wire-format frame (``relax.transport.dumps``) holding a dic
 
     child  -> parent   hello{token, pid}  started  start_failed{exit}  hb
                        reply{id, ok, value | error}  exit{exit}
-    parent -> child    init{target, args, kwargs, id, rank, size, hb}  call{id, m, a, k}
+    parent -> child    init{target, args, kwargs, id, rank, size, hb, placement, env}
+                       call{id, m, a, k}
                        cast{m, a, k}  stop  bye
 
 The child proves it was started by this parent with a one-time token passed in its
@@ -27,6 +28,8 @@ from relax.transport import dumps, loads
 
 ENV_ADDR = "RELAX_HOST_ADDR"
 ENV_TOKEN = "RELAX_HOST_TOKEN"
+ENV_PRELOAD = "RELAX_HOST_PRELOAD"
+"""The actor's import path, which a spare child imports before its hello (see ``Process``)."""
 STACKS_SIGNAL = signal.SIGUSR1
 """Sent to a child that did not stop when asked, just before its SIGKILL: it writes every
 thread's stack to its log (``faulthandler``)."""

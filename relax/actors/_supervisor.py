@@ -539,6 +539,7 @@ class Supervisor(Actor):
             "state": state,
             "waiting": child.waiting if state == "waiting" else None,
             "pids": incarnation.pids if live and incarnation is not None else [],
+            "spares": _spares(child.spec),
             "restart_count": child.restarts,
             "started_at": child.started_at,
             "uptime_s": round(time.monotonic() - child.started_mono, 3)
@@ -552,6 +553,12 @@ class Supervisor(Actor):
             data["children"] = (await nested.snapshot())["children"]
             data["strategy"] = nested.strategy.value
         return data
+
+
+def _spares(spec: ChildSpec) -> list[int | None]:
+    """The pids of the warm spares ready for ``spec`` (``Process(standby=True)``)."""
+    spares = getattr(spec.placement, "spares", None)
+    return spares(spec) if spares is not None else []
 
 
 def _is_supervisor_spec(spec: ChildSpec) -> bool:

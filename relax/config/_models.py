@@ -191,6 +191,8 @@ class SupervisorConfig(ConfigModel):
     """Window, in seconds, over which `intensity` restarts are counted (OTP's default is 5)."""
     shutdown: Shutdown = 5.0
     """Default seconds a child gets to stop cleanly before it is killed, or "brutal_kill"; a child's own `shutdown` overrides it."""
+    standby: bool = False
+    """Keep one warm spare process per process-placed child (roles and both buses), started and with the role's modules imported: a crashed child restarts in it instead of a new interpreter (SIGKILL -> serving again: see docs/architecture.md, "Warm spares"), and a new spare is prepared at once. Costs one idle process per child, holding its imports' memory (about 0.3-0.5 GB with torch and transformers)."""
 
 
 # --------------------------------------------------------------------------- [bus]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from relax.actors import ChildSpec, Process, Supervisor
 from relax.bus import BusClient, BusService, BusTable, SegmentLog, WeightStore
@@ -77,8 +78,11 @@ def test_a_staged_file_the_log_committed_is_promoted_and_served(tmp_path) -> Non
     store.stage(1, sealed(store, 1))  # the record is logged, the bus dies before the rename
     again = restarted(tmp_path, committed=1)
     assert again.current == 1
-    got = again.get_bucket(1, 0)["tensors"]
-    assert all(torch.equal(got[k], STATE[k]) for k in STATE)
+    got = again.get_bucket(1, 0)["tensors"]  # wire form, read without torch
+    assert all(torch.equal(got[k].to_torch(), STATE[k]) for k in STATE)
+    # The file is a safetensors file, which safetensors reads the same.
+    with safe_open(str(tmp_path / "v000000000001.safetensors"), framework="pt") as f:
+        assert all(torch.equal(f.get_tensor(f"0/{k}"), STATE[k]) for k in STATE)
     assert [p.name for p in tmp_path.iterdir()] == ["v000000000001.safetensors"]
 
 
