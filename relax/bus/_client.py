@@ -27,7 +27,7 @@ from typing import Any
 from relax.bus._weights import VersionGone
 from relax.errors import BusError, UploadLost, error_from_dict
 from relax.schema import BusStatistics, NewRow, TakenRow, TakeReply
-from relax.transport import Limits, connect
+from relax.transport import Limits, RawTensor, connect
 
 # The server may hold a request for `wait` seconds; the transport gets this much more on top.
 _MARGIN = 30.0
@@ -363,7 +363,7 @@ class BusClient:
                         part = await self._call(
                             {"op": "w_get", "version": head["version"], "index": index}
                         )
-                        state.update(part["tensors"])
+                        state.update(torch_tensors(part["tensors"]))
                     if progress is not None:
                         progress(index + 1, total)
             except VersionGone:
@@ -372,6 +372,13 @@ class BusClient:
             if names is not None and list(state) != names:
                 state = {name: state[name] for name in names}
             return head["version"], state
+
+
+def torch_tensors(tensors: dict[str, Any]) -> dict[str, Any]:
+    """A bucket as torch tensors. Over ``inproc://`` the bus hands over what it holds as it is,
+    and a version it serves from its file is in wire form (``RawTensor``); over a socket the
+    decoder already made torch tensors of them."""
+    return {name: t.to_torch() if isinstance(t, RawTensor) else t for name, t in tensors.items()}
 
 
 def _buckets(state: dict[str, Any], bucket_bytes: int) -> list[dict[str, Any]]:

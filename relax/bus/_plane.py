@@ -32,6 +32,7 @@ corrupt transfer, a newer commit) reads the committed version from the bus inste
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import math
 import time
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relax.bus._client import Batch, BusClient, _buckets
+from relax.bus._client import Batch, BusClient, _buckets, torch_tensors
 from relax.bus._plane_routes import (
     HANDLE_BYTES,
     choose_route,
@@ -57,6 +58,8 @@ from relax.errors import BusError, TransportError, UploadLost, VersionGone, Weig
 from relax.log import get_logger
 
 _PUBLISH_ATTEMPTS = 20
+# How often a transfer asks the bus whether a receiver left on purpose (a rollout stopping).
+_LEAVE_POLL_S = 0.2
 _PROBE_EVERY = 60.0  # seconds between a group receiver's checks whether it can read the file
 _MASK = (1 << 64) - 1
 
@@ -313,46 +316,70 @@ class WeightPublisher:
         return "cpu"  # gloo, and ipc's control group (handles and barriers only)
 
     async def _transfer(self, buckets: list[dict[str, Any]]) -> bool:
+        """Send ``buckets`` over the group; ``False`` (the receivers read this version from the
+        bus, the group is formed again at the next one) if a receiver died, hung or left."""
+        began = time.monotonic()
+        sending = asyncio.create_task(self._send(buckets))
+        watching = asyncio.create_task(self._watch_leaves(list(self._members)))
+        try:
+            await asyncio.wait({sending, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watching.cancel()
+            # A receiver that stopped on purpose (a rollout stopping with the run) would hold
+            # the publish, and with it the trainer's own stop, for the whole join timeout.
+            sending.cancel()
+            left = await _outcome(watching)
+            failed = await _outcome(sending)
+        if failed is None and not sending.cancelled():
+            self._stats["last_transfer_s"] = time.monotonic() - began
+            return True
+        if isinstance(failed, BaseException) and not isinstance(failed, TransportError):
+            raise failed
+        why = failed if failed is not None else f"receivers left the plane: {left}"
+        self._stats["group_failures"] += 1
+        self._failed_at = time.monotonic()
+        self._stats["last_failure"] = str(why).splitlines()[0]
+        self._log.warning(
+            "weight transfer failed; receivers read this version from the bus",
+            members=self._members,
+            error=self._stats["last_failure"],
+        )
+        await self._close_group()
+        return False
+
+    async def _send(self, buckets: list[dict[str, Any]]) -> None:
         from relax.transport import open_group
 
-        began = time.monotonic()
-        try:
-            if self._group is None:
-                self._log.info(
-                    "forming the weight group",
-                    epoch=self._epoch,
-                    members=self._members,
-                    route=self._route,
-                )
-                self._group = await open_group(
-                    self._group_info()["url"],
-                    rank=0,
-                    world_size=len(self._members) + 1,
-                    timeout=self._opts.join_timeout,
-                    stall_timeout=self._opts.stall_timeout,
-                    device=self._group_device(),
-                )
-            for bucket in buckets:
-                tensors = list(bucket.values())
-                if self._route == "ipc":
-                    await self._hand_over(bucket)
-                else:
-                    await self._group.broadcast_bucket(tensors, src=0, timeout=self._opts.timeout)
-        except TransportError as exc:
-            # A receiver died or hung: the others fetch this version from the bus, the group is
-            # formed again (without the dead, once its lease ran out) at the next version.
-            self._stats["group_failures"] += 1
-            self._failed_at = time.monotonic()
-            self._stats["last_failure"] = str(exc).splitlines()[0]
-            self._log.warning(
-                "weight transfer failed; receivers read this version from the bus",
+        if self._group is None:
+            self._log.info(
+                "forming the weight group",
+                epoch=self._epoch,
                 members=self._members,
-                error=self._stats["last_failure"],
+                route=self._route,
             )
-            await self._close_group()
-            return False
-        self._stats["last_transfer_s"] = time.monotonic() - began
-        return True
+            self._group = await open_group(
+                self._group_info()["url"],
+                rank=0,
+                world_size=len(self._members) + 1,
+                timeout=self._opts.join_timeout,
+                stall_timeout=self._opts.stall_timeout,
+                device=self._group_device(),
+            )
+        for bucket in buckets:
+            if self._route == "ipc":
+                await self._hand_over(bucket)
+            else:
+                tensors = list(bucket.values())
+                await self._group.broadcast_bucket(tensors, src=0, timeout=self._opts.timeout)
+
+    async def _watch_leaves(self, members: list[str]) -> list[str]:
+        """Returns once one of ``members`` has left the plane (``w_leave``)."""
+        while True:
+            await asyncio.sleep(_LEAVE_POLL_S)
+            with contextlib.suppress(BusError, TransportError):
+                left = await self._bus._call({"op": "w_left", "members": members})
+                if left:
+                    return list(left)
 
     async def _hand_over(self, bucket: dict[str, Any]) -> None:
         """Route "ipc": one bucket, packed into the staging buffer on this GPU, which every
@@ -401,6 +428,19 @@ class WeightPublisher:
         self._staging = self._staging_handle = None
         if group is not None:
             await group.aclose()
+
+
+async def _outcome(task: asyncio.Task[Any]) -> BaseException | Any:
+    """Wait for a cancelled-or-finished task: its exception, else its result (``None`` for
+    one cancelled)."""
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if not task.cancelled():
+            raise  # we ourselves are being cancelled
+        return None
+    except Exception as exc:
+        return exc
 
 
 @dataclass
@@ -687,7 +727,7 @@ class WeightSubscriber:
                 part = await self._bus._call(
                     {"op": "w_get", "version": head["version"], "index": index}
                 )
-                state.update(part["tensors"])
+                state.update(torch_tensors(part["tensors"]))
         except VersionGone:
             return None
         meta = head["meta"]

@@ -51,6 +51,7 @@ import asyncio
 import contextlib
 import datetime
 import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -427,12 +428,20 @@ async def open_group(
     worker = Worker(f"relax-group-{name}-r{rank}")
     key = (host, port) if rank == 0 else None
 
+    abort = threading.Event()
     build = functools.partial(
-        build_backend, url, rank=rank, world_size=world_size, backend=backend, timeout=timeout
+        build_backend,
+        url,
+        rank=rank,
+        world_size=world_size,
+        backend=backend,
+        timeout=timeout,
+        abort=abort,
     )
     try:
         store, pg = await asyncio.wrap_future(worker.submit(build))
     except BaseException:
+        abort.set()  # cancelled (rank 0): stop waiting for the others, free the thread
         worker.stop()
         # Joined: a daemon thread still dropping tensors while the interpreter finalizes
         # aborts the process ("terminate called without an active exception").

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +21,7 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
+from relax.errors import PeerGone
 from relax.transport._group_header import peer_gone
 from relax.transport._rendezvous import (
     host_named_store,
@@ -65,6 +67,43 @@ def pick_device(device: str | torch.device | None) -> tuple[torch.device, str]:
     return dev, "gloo"
 
 
+def _meet(
+    store: Any,
+    rank: int,
+    world_size: int,
+    deadline: float,
+    abort: threading.Event | None,
+    what: str,
+) -> None:
+    """Every rank checks in at the store before any builds the backend, whose own wait (in
+    C++) nothing interrupts. Rank 0 waits for the others' ``arrived`` keys, then says ``go``;
+    abandoned (``abort``: the publisher's receivers left on purpose) or out of time, it says
+    ``abandoned`` and the ranks already there give up at once too, their threads free."""
+    if rank == 0:
+        keys = [f"arrived/{r}" for r in range(1, world_size)]
+        while not store.check(keys):
+            if (abort is not None and abort.is_set()) or time.monotonic() >= deadline:
+                store.set("abandoned", b"1")
+                if time.monotonic() >= deadline:
+                    raise RuntimeError("timed out waiting for the other ranks at the store")
+                raise PeerGone(f"{what}: abandoned while waiting for the other ranks")
+            time.sleep(_MEET_POLL_S)
+        store.set("go", b"1")
+        return
+    store.set(f"arrived/{rank}", b"1")
+    while not store.check(["go"]):
+        if store.check(["abandoned"]):
+            raise PeerGone(f"{what}: rank 0 abandoned the group before every rank joined")
+        if abort is not None and abort.is_set():
+            raise PeerGone(f"{what}: abandoned while waiting for rank 0")
+        if time.monotonic() >= deadline:
+            raise RuntimeError("timed out waiting for rank 0 to start the group")
+        time.sleep(_MEET_POLL_S)
+
+
+_MEET_POLL_S = 0.02
+
+
 @contextlib.contextmanager
 def _nccl_env() -> Iterator[None]:
     # NCCL's default error handling kills the whole process when a collective times out; a
@@ -82,12 +121,20 @@ def _nccl_env() -> Iterator[None]:
 
 
 def build_backend(
-    url: str, *, rank: int, world_size: int, backend: str, timeout: float
+    url: str,
+    *,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: float,
+    abort: threading.Event | None = None,
 ) -> tuple[Any, Any]:
     """Meet the other ranks and build the backend object: ``(store, process_group)``.
 
     Blocking (run it on the group's thread). ``PeerGone`` when rank 0's store cannot be
     reached or not every rank joined within ``timeout``; rank 0's store is given back then.
+    ``abort``: set (the caller was cancelled), the wait for the others ends at once with
+    ``PeerGone`` (rank 0: theirs as well).
     """
     host, port, name = parse_url(url)
     deadline = time.monotonic() + timeout
@@ -106,6 +153,7 @@ def build_backend(
         raise peer_gone(f"{what}: cannot reach rank 0's store", exc, late) from exc
     try:
         prefixed = dist.PrefixStore(f"relax/group/{name}", store)
+        _meet(prefixed, rank, world_size, deadline, abort, what)
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = left()

@@ -304,6 +304,46 @@ async def test_a_receiver_that_leaves_is_out_of_the_next_group_at_once(bus) -> N
             await pub.aclose()
 
 
+async def test_a_receiver_that_leaves_while_the_group_forms_does_not_hold_the_publish(
+    bus,
+) -> None:
+    """A rollout stopped on purpose just after a publish counted it in: the publisher stops
+    waiting for it at once (not the join timeout, which outlasted the trainer's own stop and
+    got it killed before its last commit), the version commits, and the receiver that did
+    join learns the group was abandoned and reads the version from the bus."""
+    opts = replace(FAST, join_timeout=20.0, lease=60.0)
+    async with (
+        await BusClient.connect(bus) as trainer_bus,
+        await BusClient.connect(bus) as bus_a,
+        await BusClient.connect(bus) as bus_b,
+    ):
+        pub = WeightPublisher(trainer_bus, opts)
+        a = WeightSubscriber(bus_a, "a", opts)
+        b = WeightSubscriber(bus_b, "b", opts, poll_wait=3.0)
+        try:
+            wait_a = asyncio.create_task(a.next(-1, wait=60))
+            wait_b = asyncio.create_task(b.next(-1, wait=60))
+            await wait_until(
+                lambda: _members_are(trainer_bus, ["a", "b"], opts.lease), what="both polling"
+            )
+            wait_b.cancel()  # b is stopping: it will not join
+            started = asyncio.get_running_loop().time()
+            publishing = asyncio.create_task(pub.publish(1, state_dict(5)))
+            await wait_until(lambda: a.statistics()["epoch"] == 1, what="a joining the group")
+            await b.leave()
+            assert await publishing == 0  # nobody got it over the group
+            assert asyncio.get_running_loop().time() - started < 5  # join timeout: 20 s
+            assert pub.statistics()["group_failures"] == 1
+            assert "left the plane" in pub.statistics()["last_failure"]
+            got = await asyncio.wait_for(wait_a, 5)
+            assert got is not None and got[0] == 1 and same(got[1], state_dict(5))
+            assert a.statistics()["via_bus"] == 1
+        finally:
+            await a.aclose()
+            await b.aclose()
+            await pub.aclose()
+
+
 async def test_receivers_that_can_read_the_bus_s_file_read_it_verified_and_leave_the_group(
     bus, tmp_path
 ) -> None:

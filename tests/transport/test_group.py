@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from relax.errors import PeerGone, TransportError
 from relax.transport._group import TensorGroup, open_group
+from relax.transport._rendezvous import join_store, release_named_store, reserve_named_store
 from tests.actors.helpers import wait_until
 from tests.transport.group_peer import MB, digest, make_state_dict, run_step
 
@@ -241,6 +243,36 @@ async def test_peer_that_never_joins_is_peer_gone_within_the_timeout() -> None:
             await open_group(url(), rank=rank, world_size=2, timeout=0.5)
         assert time.monotonic() - start < 2.0
     assert dist.is_initialized() is _default_group[0]  # untouched by open_group
+
+
+async def test_a_cancelled_join_ends_at_once_for_every_rank_already_there() -> None:
+    """Rank 0 cancelled while it waits for a rank that will never come (a receiver stopped
+    on purpose): it ends now, not at the join timeout, its thread freed, and the rank that
+    did arrive learns the group was abandoned at once too."""
+    # A store kept listening between groups, as the weight plane's publisher keeps it.
+    port = reserve_named_store("127.0.0.1", datetime.timedelta(seconds=30))
+    address = url(port, name="abandoned")
+    host = asyncio.create_task(open_group(address, rank=0, world_size=3, timeout=30))
+    joined = asyncio.create_task(open_group(address, rank=1, world_size=3, timeout=30))
+    await wait_until(lambda: _thread_named("relax-group-abandoned-r0"), what="rank 0 hosting")
+    store = await asyncio.to_thread(join_store, "127.0.0.1", port, time.monotonic() + 10)
+    arrived = "relax/group/abandoned/arrived/1"
+    await wait_until(lambda: store.check([arrived]), what="rank 1 at the store")
+    started = time.monotonic()
+    host.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await host
+    with pytest.raises(PeerGone, match="rank 0 abandoned the group"):
+        await joined
+    assert time.monotonic() - started < 2.0  # the join timeout is 30 s
+    await wait_until(lambda: not _thread_named("relax-group-abandoned-r"), what="threads gone")
+    release_named_store("127.0.0.1", port)
+
+
+def _thread_named(prefix: str) -> bool:
+    import threading
+
+    return any(t.name.startswith(prefix) for t in threading.enumerate())
 
 
 async def test_cancelled_caller_does_not_drop_the_collective() -> None:
