@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 MODEL_INIT = """[model.init]
 hidden_size = 32
 num_layers = 1
@@ -66,3 +68,23 @@ def tiny_toml(
         extra,
     ]
     return "\n".join(line for line in lines if line) + "\n"
+
+
+def spread_lengths(model_dir: Path, scale: float = 30.0, seed: int = 0) -> Path:
+    """Give the policy saved in ``model_dir`` responses of widely spread lengths: its
+    end-of-sequence row of the output layer becomes a large random direction, so whether it
+    stops depends strongly on the state (a random-init model otherwise almost never stops:
+    every response runs to ``max_new_tokens``). Saved in place, loaded like any checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from relax.models import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    eos = load_tokenizer(model_dir).eos_token_id
+    weight = model.get_output_embeddings().weight
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        weight[eos] = torch.randn(weight.shape[1], generator=g) * weight.std() * scale
+    model.save_pretrained(model_dir)
+    return model_dir

@@ -264,6 +264,8 @@ class RolloutConfig(RoleConfig):
     """Seed of sampling: each prompt's samples come from generators seeded by (seed, prompt id), so a run is reproducible and a retried prompt reproduces its samples; unset draws fresh randomness."""
     interruptible: bool = True
     """Let a weight update interrupt generation in flight (the rest of the response is generated with the new weights and per-token versions are recorded); if false, updates wait for the batch to finish."""
+    schedule: Literal["batch", "shortest_first"] = "batch"
+    """How a replica's batch reaches the bus. "batch": every group once the whole batch is generated. "shortest_first" (length-aware): the batch is ordered by each prompt's expected response length (what it took on earlier epochs; unseen prompts count as the mean), so the engine's decode chunks hold similar lengths, shortest first, and each group is put the moment its last sample ends, so the trainer's batches fill with the short groups while the long ones go on (with `interruptible`, under the newer weights as partial rollouts). Single-reply rollouts only; `relax up --sync` plays "batch"."""
     vllm: VllmConfig = VllmConfig()
     """vLLM engine settings; ignored unless `engine = "vllm"` (so switching engines needs no other edit)."""
     agent: AgentConfig = AgentConfig()
@@ -277,6 +279,12 @@ class RolloutConfig(RoleConfig):
 
     def _collect_problems(self, problems: Problems) -> None:
         super()._collect_problems(problems)
+        if self.schedule != "batch" and self.agent.kind != "single":
+            problems.add(
+                "schedule",
+                f'"{self.schedule}" schedules single-reply rollouts; agent kind'
+                f' "{self.agent.kind}" generates episodes or sessions: use "batch"',
+            )
         if any(not stop for stop in self.stop):
             index = next(i for i, stop in enumerate(self.stop) if not stop)
             problems.add(("stop", index), "a stop string must not be empty")

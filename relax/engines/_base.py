@@ -184,6 +184,10 @@ class TokenEvent:
 OnToken = Callable[[list[TokenEvent]], None]
 """A streaming callback: one decode step's tokens (see the module docstring)."""
 
+OnFinished = Callable[[int, "Generation"], None]
+"""Called with ``(sequence, generation)`` once a sequence of the call is finished
+(``sequence``: prompt ``i``'s sample ``k`` is ``i * n + k``)."""
+
 
 @dataclass
 class Generation:
@@ -256,6 +260,8 @@ class GenerateCall:
     """Per-prompt seeds (``params.seed`` is then ``None``); ``None`` when not given."""
     mm_inputs: Sequence[MediaInputs | None] | None
     on_token: OnToken | None
+    on_finished: OnFinished | None = None
+    """Set only for an engine that ``finishes_early``; ``generate`` calls it otherwise."""
 
 
 def check_bias(params: SamplingParams, vocab_size: int) -> None:
@@ -327,6 +333,10 @@ class GenerationEngine(abc.ABC):
     regenerates: bool = False
     """Whether ``regenerate`` can run a recorded call again (``relax replay --regenerate``)."""
 
+    finishes_early: bool = False
+    """Whether ``on_finished`` hears of a sequence the moment it ends, before the longest of
+    its batch (else ``generate`` reports every sequence once the call returns)."""
+
     def regenerate(
         self,
         prompts: list[list[int]],
@@ -364,6 +374,7 @@ class GenerationEngine(abc.ABC):
         seeds: Sequence[int] | None = None,
         mm_inputs: Sequence[MediaInputs | None] | None = None,
         on_token: OnToken | None = None,
+        on_finished: OnFinished | None = None,
     ) -> list[Generation]:
         """Sample ``params.n`` responses per prompt, as ``params`` says.
 
@@ -383,6 +394,11 @@ class GenerationEngine(abc.ABC):
         matching placeholder tokens. An engine that serves no media raises ``EngineError`` for
         any media given.
 
+        ``on_finished(sequence, generation)``: called on the caller's event loop once per
+        sequence, with the very generation returned for it, all before ``generate`` returns;
+        an engine that ``finishes_early`` calls it as each sequence ends (shortest first), any
+        other once the call is done, in order.
+
         Returns ``len(prompts) * n`` generations, grouped by prompt: prompt ``i``'s samples are
         at ``i * n … i * n + n - 1`` (with ``index`` 0 … n - 1).
         """
@@ -390,7 +406,13 @@ class GenerationEngine(abc.ABC):
         checked, per_prompt = validate_request(
             prompts, params, seeds, vocab_size=self.vocab_size, max_len=self.max_model_len
         )
-        return await self._generate(GenerateCall(checked, params, per_prompt, mm_inputs, on_token))
+        early = on_finished if self.finishes_early else None
+        call = GenerateCall(checked, params, per_prompt, mm_inputs, on_token, early)
+        gens = await self._generate(call)
+        if on_finished is not None and early is None:
+            for sequence, gen in enumerate(gens):
+                on_finished(sequence, gen)
+        return gens
 
     def _refuse(
         self, mm_inputs: Sequence[MediaInputs | None] | None, on_token: OnToken | None

@@ -66,6 +66,7 @@ from relax.engines._base import (
     Generation,
     GenerationEngine,
     MediaInputs,
+    OnFinished,
     OnToken,
     SamplingParams,
     StateDict,
@@ -108,6 +109,7 @@ class HFEngine(GenerationEngine):
 
     streams = True
     regenerates = True
+    finishes_early = True  # a dense model's; an MoE's rows wait for the batch's routing
 
     def __init__(
         self,
@@ -229,9 +231,17 @@ class HFEngine(GenerationEngine):
                 with contextlib.suppress(RuntimeError):  # the loop closed under a stray thread
                     loop.call_soon_threadsafe(on_token, events)
 
+        finished = None
+        if call.on_finished is not None:
+            on_finished, loop = call.on_finished, asyncio.get_running_loop()
+
+            def finished(sequence: int, gen: Generation) -> None:
+                with contextlib.suppress(RuntimeError):  # as emit: FIFO with the result
+                    loop.call_soon_threadsafe(on_finished, sequence, gen)
+
         async with self._async_lock():
             return await asyncio.to_thread(
-                self._generate_sync, call.prompts, call.params, call.seeds, media, emit
+                self._generate_sync, call.prompts, call.params, call.seeds, media, emit, finished
             )
 
     async def load_weights(self, version: int, state_dict: StateDict) -> None:
@@ -281,6 +291,7 @@ class HFEngine(GenerationEngine):
         seeds: list[int] | None,
         media: list[dict[str, torch.Tensor] | None],
         emit: OnToken | None = None,
+        finished: OnFinished | None = None,
     ) -> list[Generation]:
         with self._thread_lock:
             with self._pending_lock:
@@ -300,7 +311,12 @@ class HFEngine(GenerationEngine):
                     shared = torch.Generator(device=self._device).manual_seed(params.seed)
                 for start in range(0, len(jobs), self.max_batch_size):
                     out += self._generate_batch(
-                        jobs[start : start + self.max_batch_size], params, shared, emit, start
+                        jobs[start : start + self.max_batch_size],
+                        params,
+                        shared,
+                        emit,
+                        start,
+                        finished,
                     )
             finally:
                 # Updates offered during the last decode step land now, before anyone else
@@ -323,9 +339,11 @@ class HFEngine(GenerationEngine):
         shared: torch.Generator | None,
         emit: OnToken | None = None,
         first: int = 0,
+        finished: OnFinished | None = None,
     ) -> list[Generation]:
         """Decode one left-padded batch token by token with a KV cache; ``emit`` hears each
-        step's tokens (row ``r`` is sequence ``first + r`` of the call).
+        step's tokens (row ``r`` is sequence ``first + r`` of the call), ``finished`` each
+        row's generation as the row ends.
 
         Our own loop rather than ``generate``: between two tokens a waiting weight update can
         land (interruptible rollouts), and each row may draw from its own seeded generator.
@@ -341,7 +359,9 @@ class HFEngine(GenerationEngine):
         input_ids, attention = input_ids.to(device), attention.to(device)
         recorder = RoutingRecorder(self.model) if self._moe is not None else None
         with recorder or contextlib.nullcontext():
-            return self._decode(jobs, params, shared, emit, first, input_ids, attention, recorder)
+            return self._decode(
+                jobs, params, shared, emit, first, input_ids, attention, recorder, finished
+            )
 
     def _decode(
         self,
@@ -353,6 +373,7 @@ class HFEngine(GenerationEngine):
         input_ids: torch.Tensor,
         attention: torch.Tensor,
         recorder: RoutingRecorder | None,
+        finished: OnFinished | None = None,
     ) -> list[Generation]:
         device, pad = self._device, self.pad_token_id
         size, width = input_ids.shape
@@ -378,6 +399,7 @@ class HFEngine(GenerationEngine):
         versions: list[int] = []
         done = torch.zeros(size, dtype=torch.bool, device=device)
         ended_at = torch.full((size,), params.max_new_tokens, dtype=torch.long)
+        announced: set[int] = set()  # rows already given to ``finished``
         bias = None
         if params.logit_bias:
             bias = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=device)
@@ -404,6 +426,16 @@ class HFEngine(GenerationEngine):
                 stopped = torch.isin(token, stops) & ~done
                 ended_at[stopped.cpu()] = step + 1
                 done |= stopped
+                if finished is not None and recorder is None and bool(stopped.any()):
+                    # Reported now, not when the batch's longest ends: the rollout puts a
+                    # group on the bus as soon as its last sample stopped.
+                    rows = stopped.cpu().nonzero().flatten().tolist()
+                    out_rows = self._outputs(
+                        jobs, params, rows, tokens, logprobs, tops, versions, ended_at
+                    )
+                    for row, gen in zip(rows, out_rows, strict=True):
+                        finished(first + row, gen)
+                        announced.add(row)
             if step + 1 == params.max_new_tokens or bool(done.all()):
                 break
             self._between_tokens(step)
@@ -419,30 +451,55 @@ class HFEngine(GenerationEngine):
             )
             cache, logits = out.past_key_values, out.logits[:, -1, :].float()
             next_position = next_position + 1
-        all_tokens = torch.stack(tokens, 1).cpu()
+        routed = self._routed(recorder, jobs, width, len(tokens), ended_at)
+        result = self._outputs(
+            jobs, params, range(size), tokens, logprobs, tops, versions, ended_at, routed
+        )
+        if finished is not None:
+            for row, gen in enumerate(result):
+                if row not in announced:
+                    finished(first + row, gen)
+        return result
+
+    def _outputs(
+        self,
+        jobs: list[_Job],
+        params: SamplingParams,
+        rows: Sequence[int],
+        tokens: list[torch.Tensor],
+        logprobs: list[torch.Tensor],
+        tops: list[tuple[torch.Tensor, torch.Tensor]],
+        versions: list[int],
+        ended_at: torch.Tensor,
+        routed: list[torch.Tensor] | None = None,
+    ) -> list[Generation]:
+        """The generations of batch ``rows`` from the steps decoded so far (all of a row's,
+        once it ended)."""
         stop_set = set(params.stop_token_ids)
-        all_logprobs = torch.stack(logprobs, 1).cpu()
-        top_values = torch.stack([v for v, _ in tops], 1).cpu() if tops else None
-        top_ids = torch.stack([i for _, i in tops], 1).cpu() if tops else None
-        routed = self._routed(recorder, jobs, width, all_tokens.shape[1], ended_at)
+        index = torch.tensor(list(rows), dtype=torch.long)
+        all_tokens = torch.stack(tokens, 1).cpu()[index]
+        all_logprobs = torch.stack(logprobs, 1).cpu()[index]
+        top_values = torch.stack([v for v, _ in tops], 1).cpu()[index] if tops else None
+        top_ids = torch.stack([i for _, i in tops], 1).cpu()[index] if tops else None
         result = []
-        for row, (prompt, index, *_) in enumerate(jobs):
+        for at, row in enumerate(rows):
+            prompt, sample = jobs[row][0], jobs[row][1]
             end = min(int(ended_at[row]), all_tokens.shape[1])
-            ids, row_versions = all_tokens[row, :end].tolist(), versions[:end]
+            ids, row_versions = all_tokens[at, :end].tolist(), versions[:end]
             row_tops = None
             if top_values is not None and top_ids is not None:
                 row_tops = [
-                    _finite_pairs(top_ids[row, t].tolist(), top_values[row, t].tolist())
+                    _finite_pairs(top_ids[at, t].tolist(), top_values[at, t].tolist())
                     for t in range(end)
                 ]
             result.append(
                 Generation(
                     prompt_ids=list(prompt),
                     response_ids=ids,
-                    logprobs=all_logprobs[row, :end].tolist(),
+                    logprobs=all_logprobs[at, :end].tolist(),
                     finish_reason="stop" if ids and ids[-1] in stop_set else "length",
                     version=min(row_versions, default=self._version),
-                    index=index,
+                    index=sample,
                     token_versions=row_versions,
                     top_logprobs=row_tops,
                     routed_experts=None if routed is None else routed[row],

@@ -35,7 +35,7 @@ import contextlib
 import json
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,7 @@ from relax.roles._common import (
     without_poisoned,
 )
 from relax.roles._episodes import env_rows, program_rows
+from relax.roles._lengths import LengthBook
 from relax.runfiles import pause_requested
 from relax.schema import (
     LOGPROBS,
@@ -83,10 +84,13 @@ async def generate_groups(
     prompts: list[dict[str, Any]],
     stops: list[int],
     log: GenerationLog | None = None,
+    on_group: Callable[[int, list[Generation]], None] | None = None,
 ) -> list[Generation]:
     """``data.n_samples_per_prompt`` samples of each prompt row, as ``[rollout]`` says, each
     prompt seeded by its id (see the module docstring); a seeded text call goes to ``log``
-    (what ``relax replay --regenerate`` decodes again)."""
+    (what ``relax replay --regenerate`` decodes again). ``on_group(i, gens)``: prompt ``i``'s
+    samples, as returned, the moment the last of them ended (an engine that
+    ``finishes_early`` reports them shortest first, any other once the call is done)."""
     rollout = cfg.rollout
     media = [r["columns"].get(MM_INPUTS) for r in prompts]
     # Media travel with their prompt as processed once by the dataset role: the engine sees
@@ -101,12 +105,25 @@ async def generate_groups(
         rollout, n=cfg.data.n_samples_per_prompt, stop_token_ids=stops
     )
     seeds = None if rollout.seed is None else [prompt_seed(rollout.seed, r["uid"]) for r in prompts]
-    raw = gens = await engine.generate(prompt_ids, params, seeds=seeds, **extra)
-    if rollout.stop:
-        tokenizer = getattr(engine, "tokenizer", None)
-        if tokenizer is None:
-            raise EngineError("rollout.stop needs an engine with a tokenizer")
-        gens = [stop_at_strings(g, tokenizer, rollout.stop) for g in gens]
+    tokenizer = getattr(engine, "tokenizer", None)
+    if rollout.stop and tokenizer is None:
+        raise EngineError("rollout.stop needs an engine with a tokenizer")
+
+    def cut(gen: Generation) -> Generation:
+        return stop_at_strings(gen, tokenizer, rollout.stop) if rollout.stop else gen
+
+    if on_group is not None:
+        n, groups = params.n, [dict[int, Generation]() for _ in prompts]
+
+        def finished(sequence: int, gen: Generation) -> None:
+            group = groups[sequence // n]
+            group[sequence % n] = cut(gen)
+            if len(group) == n:
+                on_group(sequence // n, [group[k] for k in range(n)])
+
+        extra["on_finished"] = finished
+    raw = await engine.generate(prompt_ids, params, seeds=seeds, **extra)
+    gens = [cut(g) for g in raw] if rollout.stop else raw
     if log is not None and seeds is not None and not extra and engine.regenerates:
         kept = [len(g.response_ids) for g in gens] if rollout.stop else None
         log.call(prompts, prompt_ids, seeds, params, engine, raw, kept, rollout.engine)
@@ -158,6 +175,7 @@ class RolloutRole(Actor):
         self._idle = asyncio.Event()  # set between rounds
         self._idle.set()
         self._start_version: int | None = None  # what it held before serving anything
+        self.lengths = LengthBook()  # [rollout] schedule = "shortest_first"
 
     async def on_start(self) -> None:
         # A restart while paused comes back paused: the control endpoint still says so.
@@ -231,6 +249,8 @@ class RolloutRole(Actor):
             stats["weight_plane"] = self._plane.statistics()
         if self._start_version is not None:  # a replica added or restarted mid-run: >= current
             stats["start_version"] = self._start_version
+        if self.cfg.rollout.schedule == "shortest_first":
+            stats["lengths"] = self.lengths.statistics()
         return stats
 
     async def _sync_weights(self, bus: BusClient, wait: float) -> bool:
@@ -422,9 +442,13 @@ class RolloutRole(Actor):
                 cfg, self.sessions, self.server.session_url, self.api_key, admitted
             )
             self._count(trajs)
+        elif cfg.rollout.schedule == "shortest_first":
+            rows = []
+            await self._rows_as_they_finish(admitted, n, stops, samples)
         else:
             rows = await self._single_rows(admitted, n, stops)
-        await samples.put(well_formed(rows, self.log), wait=3600)
+        if rows:
+            await samples.put(well_formed(rows, self.log), wait=3600)
         await prompts.ack(replace(batch, rows=admitted))
 
     async def _single_rows(
@@ -435,6 +459,35 @@ class RolloutRole(Actor):
         assert engine is not None
         gens = await generate_groups(engine, cfg, admitted, stops, self.generations)
         return sample_rows(admitted, gens, n)
+
+    async def _rows_as_they_finish(
+        self, admitted: list[dict[str, Any]], n: int, stops: list[int], samples: BusClient
+    ) -> None:
+        """Length-aware: the batch shortest expected first, each group put the moment its
+        last sample ended (in the order they end), and the lengths remembered."""
+        cfg, engine = self.cfg, self.engine
+        assert engine is not None
+        ordered = self.lengths.order(admitted)
+        ready: asyncio.Queue[list[dict[str, Any]] | None] = asyncio.Queue()
+
+        def on_group(i: int, gens: list[Generation]) -> None:
+            self.lengths.observe(gens[0].prompt_ids, [len(g.response_ids) for g in gens])
+            ready.put_nowait(sample_rows([ordered[i]], gens, n))
+
+        async def put_groups() -> None:
+            while (rows := await ready.get()) is not None:
+                await samples.put(well_formed(rows, self.log), wait=3600)
+
+        putting = asyncio.create_task(put_groups())
+        try:
+            await generate_groups(engine, cfg, ordered, stops, self.generations, on_group)
+        except BaseException:
+            putting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await putting
+            raise
+        ready.put_nowait(None)  # every group is queued by now: put the rest, then done
+        await putting
 
 
 def sample_rows(prompts: list[dict[str, Any]], gens: list[Any], n: int) -> list[dict[str, Any]]:

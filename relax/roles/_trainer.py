@@ -94,6 +94,18 @@ def train_row(row: dict[str, Any], columns: tuple[str, ...]) -> dict[str, Any]:
     return training_row(row, columns)
 
 
+def length_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The batch's response lengths in tokens (mean, max): the long tail that decides how
+    long generation takes, and what ``[rollout] schedule`` acts on."""
+    lengths = [len(r["columns"][RESPONSE_IDS]) for r in rows if RESPONSE_IDS in r["columns"]]
+    if not lengths:
+        return {}
+    return {
+        "response_length_mean": sum(lengths) / len(lengths),
+        "response_length_max": max(lengths),
+    }
+
+
 def episode_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     """Means over a batch's episode rows: task success (when the environment reports it),
     turns, and the share of episodes a failure ended."""
@@ -427,6 +439,7 @@ class TrainerRole(LearnerRole):
                 "take_time_s": took,
                 "publish_time_s": self._last_publish_s,
                 "time": time.time(),  # when the step ended (Unix seconds), for rates and plots
+                **length_metrics(batch.rows),
                 **episode_metrics(batch.rows),
                 **component_metrics(batch.rows),  # reward/<component> means
                 **result.metrics,

@@ -87,6 +87,24 @@ class EngineContract:
         if other.finish_reason == "length":
             assert len(other.response_ids) == 8
 
+    async def test_every_finished_sequence_is_reported_once_before_the_call_returns(
+        self, engine: GenerationEngine
+    ) -> None:
+        # Stop on half the vocabulary: the samples end after different numbers of tokens.
+        params = SamplingParams(
+            max_new_tokens=12, n=3, stop_token_ids=tuple(range(0, engine.vocab_size, 2))
+        )
+        heard: dict[int, Generation] = {}
+
+        def finished(sequence: int, gen: Generation) -> None:
+            assert sequence not in heard
+            heard[sequence] = gen
+
+        gens = await engine.generate(PROMPTS, params, seeds=[1, 2], on_finished=finished)
+        assert sorted(heard) == list(range(len(gens)))
+        assert all(heard[i] == gen for i, gen in enumerate(gens))  # the very generations
+        assert len({len(g.response_ids) for g in gens}) > 1  # the lengths did differ
+
     @pytest.mark.parametrize(("temperature", "n"), [(1.0, 1), (0.7, 2), (1.5, 1), (0.0, 1)])
     async def test_logprobs_equal_a_recomputation(
         self,

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from relax.actors import ChildSpec, InProc, Supervisor
-from relax.bus import BusClient, BusService
+from relax.bus import BusClient, BusService, SegmentLog
 from relax.cluster import plain_config
 from relax.config import parse_config
 from relax.models import build_tiny_model
+from relax.transport import dumps
 from tests.tiny import MODEL_INIT
 
 _names = itertools.count()
@@ -98,3 +99,23 @@ def bus_spec(tasks: list[str], tmp_path: Path) -> tuple[ChildSpec, str]:
         placement=InProc(),
     )
     return spec, url
+
+
+def prompts_spec(url: str, run_dir: Path, rows: list[dict[str, Any]]) -> ChildSpec:
+    """A prompts bus at ``url`` that starts holding ``rows``: written into its log the way a
+    bus logs a put (so rows today's bus would refuse can be planted too), replayed at start."""
+    log = SegmentLog(run_dir / "bus-log")
+    log.append_many([dumps({"op": "put", "rows": rows})])
+    log.close()
+    return ChildSpec(
+        "prompts",
+        BusService,
+        kwargs={
+            "url": url,
+            "tasks": ["rollout"],
+            "trainer_task": "rollout",
+            "run_dir": str(run_dir),
+            "staleness": "inf",
+        },
+        placement=InProc(),
+    )

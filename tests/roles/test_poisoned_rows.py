@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from relax.actors import ChildSpec, InProc
-from relax.bus import BusClient, BusService, SegmentLog
+from relax.bus import BusClient, SegmentLog
 from relax.roles._common import BAD_COLUMNS
 from relax.roles._critic import CriticRole
 from relax.roles._reference import ReferenceRole
@@ -21,7 +21,7 @@ from relax.roles._rollout import RolloutRole
 from relax.roles._trainer import TrainerRole
 from relax.transport import dumps
 from tests.polling import wait_until
-from tests.roles.helpers import bus_spec, config, sample_rows, start, tiny_model
+from tests.roles.helpers import bus_spec, config, prompts_spec, sample_rows, start, tiny_model
 
 pytestmark = pytest.mark.anyio
 
@@ -105,9 +105,10 @@ async def test_the_trainer_drops_a_group_whose_reward_is_not_a_number(tmp_path: 
 
 
 async def test_the_rollout_drops_a_prompt_whose_prompt_ids_are_text(tmp_path: Path) -> None:
-    prompts_dir = tmp_path / "prompts"
-    plant(
-        prompts_dir,
+    prompts_url = "inproc://poisoned-prompts"
+    prompts = prompts_spec(
+        prompts_url,
+        tmp_path / "prompts",
         [
             {
                 "uid": "p0",
@@ -122,19 +123,6 @@ async def test_the_rollout_drops_a_prompt_whose_prompt_ids_are_text(tmp_path: Pa
                 "columns": {"prompt_ids": [5, 6, 7], "answer": "4"},
             },
         ],
-    )
-    prompts_url = "inproc://poisoned-prompts"
-    prompts = ChildSpec(
-        "prompts",
-        BusService,
-        kwargs={
-            "url": prompts_url,
-            "tasks": ["rollout"],
-            "trainer_task": "rollout",
-            "run_dir": str(prompts_dir),
-            "staleness": "inf",
-        },
-        placement=InProc(),
     )
     samples, samples_url = bus_spec(["reward", "train"], tmp_path)
     role = ChildSpec(
