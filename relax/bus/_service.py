@@ -22,6 +22,7 @@ from typing import Any
 
 from relax.actors import Actor
 from relax.bus._columns import check_rows
+from relax.bus._journal import KeyJournal
 from relax.bus._log import SegmentLog
 from relax.bus._table import BusTable
 from relax.bus._weights import WeightStore
@@ -58,6 +59,7 @@ class BusService(Actor):
         max_message_bytes: int = 256 << 20,
         keep_weight_versions: int = 2,
         compact_every: int = 4096,
+        dedup_window: int = 1_000_000,
     ) -> None:
         self.url = url
         self.run_dir = run_dir
@@ -67,6 +69,7 @@ class BusService(Actor):
             capacity=capacity,
             staleness=Staleness.parse(staleness),
             batch_size=batch_size,
+            dedup_window=dedup_window,  # finished uids remembered (a retried put is ignored)
         )
         self.lease_timeout = lease_timeout
         self.admission_timeout = admission_timeout
@@ -86,6 +89,7 @@ class BusService(Actor):
         self.next_seq = 0  # the log position the next record will get
         self.compact_every = compact_every  # records between compactions: keeps the log short
         self.since_compact = self.bytes_since_compact = 0
+        self.journals: tuple[KeyJournal, ...] = ()  # finished uids, dropped groups
         self.stats = {"requests": 0, "recovered_records": 0}  # bytes moved: see "transport"
         # The weight plane's receivers, by the last time each polled (not logged: they poll
         # again within their lease after a bus restart).
@@ -109,6 +113,14 @@ class BusService(Actor):
             self.log_file = SegmentLog(
                 directory, segment_bytes=self.segment_bytes, fsync=self.fsync
             )  # type: ignore[arg-type]
+            # What finished before the last compaction first, then the log since it.
+            window = self.table.dedup_window
+            self.journals = tuple(
+                KeyJournal(Path(self.run_dir, name), window=window, fsync=self.fsync)  # type: ignore[arg-type]
+                for name in ("bus-finished", "bus-dropped")
+            )
+            self.table.remember_journaled(*(journal.load() for journal in self.journals))
+            self.table.journaling = True
             for seq, record in self.log_file.replay():
                 self.table.apply(loads(record), seq)
                 self.stats["recovered_records"] += 1
@@ -152,6 +164,9 @@ class BusService(Actor):
         if self.log_file is not None:
             self.log_file.close()  # syncs: a clean shutdown is durable even with fsync="checkpoint"
             self.log_file = None
+        for journal in self.journals:
+            journal.close()
+        self.journals = ()
 
     # ------------------------------------------------------------------ handlers (actor calls)
 
@@ -162,7 +177,13 @@ class BusService(Actor):
     async def checkpoint(self) -> None:
         """A checkpoint boundary: make the log durable on disk (fsync)."""
         if self.log_file is not None:
-            await asyncio.get_running_loop().run_in_executor(self.writer, self.log_file.sync)
+            await asyncio.get_running_loop().run_in_executor(self.writer, self._sync)
+
+    def _sync(self) -> None:
+        assert self.log_file is not None
+        self.log_file.sync()
+        for journal in self.journals:
+            journal.sync()
 
     def statistics(self) -> BusStatistics:
         stats = self.table.statistics()
@@ -544,21 +565,31 @@ class BusService(Actor):
             oldest = self.table.oldest_live_seq()
             watermark = state_seq if oldest is None else min(oldest, state_seq)
             records.append(dumps(self.table.state_op()))
+        compaction = (watermark, self.table.take_unjournaled()) if compact else None
         if size < _INLINE_WRITE_BYTES and self.writes_pending == 0:
-            self._write(records, watermark if compact else None)  # small: a thread hop costs more
+            self._write(records, compaction)  # small: a thread hop costs more
             return
         self.writes_pending += 1
         try:
             await asyncio.get_running_loop().run_in_executor(
-                self.writer, self._write, records, watermark if compact else None
+                self.writer, self._write, records, compaction
             )
         finally:
             self.writes_pending -= 1
 
-    def _write(self, records: list[Any], release_before: int | None) -> None:
+    def _write(
+        self, records: list[Any], compaction: tuple[int, tuple[list[str], list[str]]] | None
+    ) -> None:
+        """Append ``records``; at a compaction, then journal what finished since the last one
+        and only then release the segments before the watermark (``relax.bus._journal``)."""
         assert self.log_file is not None
         self.log_file.append_many(records)
-        if release_before is not None:
+        if compaction is not None:
+            release_before, remembered = compaction
+            if any(remembered):
+                _kill_point(self.run_dir, "before_journal", 0)
+            for journal, keys in zip(self.journals, remembered, strict=True):
+                journal.append(keys)
             deleted = self.log_file.release_before(release_before)
             if deleted:
                 self.log.debug(
@@ -568,7 +599,8 @@ class BusService(Actor):
 
 KILL_AT_ENV = "RELAX_BUS_KILL_AT"
 """Test hook: a bus whose process has this set to a point of the weights commit protocol
-(``before_upload``, ``mid_upload``, ``after_weights_file``, ``after_commit_record``), optionally
+(``before_upload``, ``mid_upload``, ``after_weights_file``, ``after_commit_record``; and
+``before_journal``: a compaction's log records written, its journal delta not), optionally
 ``@<version>`` (e.g. ``after_weights_file@3``: only in that version's commit), SIGKILLs itself
 there, once per run folder (a marker file records it), so fault tests hit that exact point
 instead of racing for it."""

@@ -116,6 +116,10 @@ class TableState:
         self.admissions: dict[str, Admission] = {}
         self.finished: OrderedDict[str, None] = OrderedDict()  # recently finished uids
         self.dropped_groups: OrderedDict[str, None] = OrderedDict()
+        # With a log (``journaling``): the uids and groups remembered since the last
+        # compaction, which the bus appends to its journals (``relax.bus._journal``).
+        self.journaling = False
+        self._unjournaled: tuple[list[str], list[str]] = ([], [])
         self.version = 0  # the trainer's policy version N
         self.weights_version = -1  # the newest weights version the log committed
         self.publishes: dict[int, str] = {}  # recent weights version -> its publish id
@@ -215,7 +219,7 @@ class TableState:
         for uid in op["uids"]:
             self._remove(uid, finished=True)
         for group in op.get("groups", ()):
-            self._remember(self.dropped_groups, group)
+            self._drop_group(group)
             self.admissions.pop(group, None)
         self.counters[f"dropped_{op['reason']}"] += len(op["uids"])
 
@@ -260,12 +264,14 @@ class TableState:
         self.publishes.update({int(v): p for v, p in op.get("publishes", ())})
         self.next_lease = max(self.next_lease, op["next_lease"])
         self.counters = Counter(op["counters"])
-        for uid in op["finished"]:
-            self.finished[uid] = None
+        # A state record from before the journals carries the whole memory; journaled at the
+        # next compaction, since the next state record will not.
+        for uid in op.get("finished", ()):
+            self._finish(uid)
             if uid in self.rows:
                 self._remove(uid, finished=False)
         for group in op.get("dropped_groups", ()):
-            self.dropped_groups[group] = None
+            self._drop_group(group)
         self.admissions = {g: Admission(g, n, v, d) for g, n, v, d in op["admissions"]}
 
     OP_HANDLERS: ClassVar[Mapping[str, Callable[[TableState, Any], None]]] = {
@@ -291,7 +297,7 @@ class TableState:
         if r["uid"] in self.rows or r["uid"] in self.finished:
             return
         if r["group"] in self.dropped_groups:  # the rest of its group was dropped already
-            self._remember(self.finished, r["uid"])
+            self._finish(r["uid"])
             self.counters["dropped_with_group"] += 1
             return
         columns = dict(r.get("columns") or {})
@@ -359,17 +365,41 @@ class TableState:
             if not members:
                 del self.groups[row.group]
         if finished:
-            self._remember(self.finished, uid)
+            self._finish(uid)
 
-    def _remember(self, seen: OrderedDict[str, None], key: str) -> None:
+    def _finish(self, uid: str) -> None:
+        if self._remember(self.finished, uid) and self.journaling:
+            self._unjournaled[0].append(uid)
+
+    def _drop_group(self, group: str) -> None:
+        if self._remember(self.dropped_groups, group) and self.journaling:
+            self._unjournaled[1].append(group)
+
+    def _remember(self, seen: OrderedDict[str, None], key: str) -> bool:
+        """Remember ``key`` (the newest), forgetting beyond the window; whether it is new."""
+        new = key not in seen
         seen[key] = None
         while len(seen) > self.dedup_window:
             seen.popitem(last=False)
+        return new
+
+    def remember_journaled(self, finished: list[str], dropped: list[str]) -> None:
+        """What the journals held at a restart, oldest first (before the log is replayed)."""
+        for uid in finished:
+            self._remember(self.finished, uid)
+        for group in dropped:
+            self._remember(self.dropped_groups, group)
+
+    def take_unjournaled(self) -> tuple[list[str], list[str]]:
+        """The uids and groups remembered since the last call (for the journals)."""
+        taken, self._unjournaled = self._unjournaled, ([], [])
+        return taken
 
     # ------------------------------------------------------------------ compaction
 
     def state_op(self) -> StateOp:
-        """A snapshot of everything but the rows themselves (rows keep their put records)."""
+        """A snapshot of everything but the rows themselves (rows keep their put records) and
+        the finished uids and dropped groups (the journals keep those)."""
         return {
             "op": "state",
             "staleness": self.staleness.wire,
@@ -378,8 +408,6 @@ class TableState:
             "publishes": [[v, p] for v, p in sorted(self.publishes.items())],
             "next_lease": self.next_lease,
             "counters": dict(self.counters),
-            "finished": list(self.finished),
-            "dropped_groups": list(self.dropped_groups),
             "admissions": [
                 [a.group, a.rows, a.version, a.deadline] for a in self.admissions.values()
             ],

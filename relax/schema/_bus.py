@@ -182,8 +182,10 @@ class StateOp(TypedDict):
     publishes: list[list[Any]]
     next_lease: int
     counters: dict[str, int]
-    finished: list[str]
-    dropped_groups: list[str]
+    finished: NotRequired[list[str]]
+    """Logs from before the journals only: the finished uids (``relax.bus._journal`` now)."""
+    dropped_groups: NotRequired[list[str]]
+    """Likewise: the dropped groups."""
     admissions: list[list[Any]]
     """``[group, rows, version, deadline]`` per open admission."""
 

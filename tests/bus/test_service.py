@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from relax.actors import ChildSpec, Supervisor
-from relax.bus import BusClient, BusService
+from relax.bus import BusClient, BusService, SegmentLog
+from relax.bus._journal import KeyJournal
 from relax.errors import AuthFailed, BusError, MessageTooLarge
+from relax.transport import loads
 
 pytestmark = pytest.mark.anyio
 _names = itertools.count()
@@ -248,6 +250,52 @@ async def test_compaction_deletes_dead_segments_and_recovery_still_matches(tmp_p
     assert before["log"]["segments"] == segments < 10  # 900+ records, most segments deleted
     assert after["counters"]["trained"] == before["counters"]["trained"] == 300
     assert after["rows"] == 1
+
+
+async def test_compactions_journal_finished_uids_instead_of_rewriting_them(tmp_path) -> None:
+    """The memory of finished uids lives in a journal beside the log: each compaction's state
+    record stays small however many rows finished (it used to carry the whole window, up to a
+    million uids), the journal keeps the newest ``dedup_window`` of them across restarts and
+    deleted segments, and a retried put of one is ignored."""
+    kwargs = {
+        "tasks": ["train"],
+        "staleness": "inf",
+        "segment_bytes": 4096,
+        "compact_every": 50,
+        "dedup_window": 120,
+    }
+    sup, url = await start_bus(tmp_path, url="ipc://" + str(tmp_path / "bus.sock"), **kwargs)
+    try:
+        async with await BusClient.connect(url) as bus:
+            for i in range(300):
+                await bus.put(rows(f"g{i}"))
+                async with bus.take("train", batch_size=1):
+                    pass
+            await sup.restart_child("bus")
+            fresh = await bus.put([r for i in range(290, 300) for r in rows(f"g{i}")])
+            forgotten = await bus.put(rows("g0"))  # beyond the window: a put like any other
+    finally:
+        await sup.__aexit__(None, None, None)
+    assert fresh == 0 and forgotten == 1
+    with SegmentLog(tmp_path / "bus-log") as log:
+        assert log.first_seq > 0  # compacted: the acks of g0 … are gone from the log
+        states = [loads(r) for _, r in log.replay() if loads(r)["op"] == "state"]
+    assert states and all("finished" not in op for op in states)
+    journal = KeyJournal(tmp_path / "bus-finished", window=120)
+    held = journal.load()
+    journal.close()
+    assert {"g299/0", "g180/0"} <= set(held) and len(held) < 300  # pruned, newest kept
+
+
+async def test_a_key_journal_keeps_the_newest_window_across_reopening(tmp_path) -> None:
+    journal = KeyJournal(tmp_path / "j", window=10, segment_bytes=64)  # a segment per record
+    for i in range(20):
+        journal.append([f"k{i}/{j}" for j in range(3)])
+    assert journal.statistics() == {"records": 4, "keys": 12}  # 4 records hold 10 or more
+    journal.close()
+    again = KeyJournal(tmp_path / "j", window=10, segment_bytes=64)
+    assert again.load() == [f"k{i}/{j}" for i in range(16, 20) for j in range(3)]
+    again.close()
 
 
 # ---------------------------------------------------------------------- checked at the door
