@@ -276,6 +276,7 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
         "staleness": cfg.staleness.wire,  # plain data: the bus may be another process
         "capacity": bus.capacity,
         "batch_size": cfg.trainer.global_batch_size,
+        "end_version": cfg.trainer.steps,  # no sample generated that no step would train
     }
     standby = cfg.supervisor.standby
     in_process = InProc() if cfg.bus_transport == "inproc" else Process(standby=standby)

@@ -60,6 +60,7 @@ class BusService(Actor):
         keep_weight_versions: int = 2,
         compact_every: int = 4096,
         dedup_window: int = 1_000_000,
+        end_version: int | None = None,
     ) -> None:
         self.url = url
         self.run_dir = run_dir
@@ -70,6 +71,7 @@ class BusService(Actor):
             staleness=Staleness.parse(staleness),
             batch_size=batch_size,
             dedup_window=dedup_window,  # finished uids remembered (a retried put is ignored)
+            end_version=end_version,  # [trainer] steps: no row admitted past the run's end
         )
         self.lease_timeout = lease_timeout
         self.admission_timeout = admission_timeout

@@ -21,7 +21,8 @@ Staleness (``s``): the trainer task at version ``N`` only receives rows with
 ``version ≥ N - s``; older rows are dropped and counted. Producers ask ``admit`` before they
 generate; admission paces them so rows arrive no staler than ``s`` when consumed (AReaL's rule):
 a producer holding weights ``v`` may have rows in play only while
-``trained + queued + admitted + n ≤ (v + s + 1) · batch_size``.
+``trained + queued + admitted + n ≤ (v + s + 1) · batch_size``, and, when the run's last
+version ``end_version`` is known, ``≤ (end_version + skipped steps) · batch_size``.
 """
 
 from __future__ import annotations
@@ -321,7 +322,8 @@ class BusTable(TableState):
         """May a producer holding weights ``version`` start generating ``rows`` for ``group``?
 
         Returns ``(ops, verdict)`` with verdict ``"ok"``, ``"full"`` (wait for room),
-        ``"ahead"`` (wait for the trainer: generating now would go stale) or ``"behind"``
+        ``"ahead"`` (wait for the trainer: generating now would go stale, or past the run's
+        end) or ``"behind"``
         (the producer's weights are too old: sync weights first).
         """
         if group in self.admissions or group in self.groups:
@@ -330,11 +332,16 @@ class BusTable(TableState):
             return [], "behind"
         if self.room() < rows:
             return [], "full"
+        in_play = self.trained + self.queued_for_trainer() + self.admitted_rows()
+        skipped = self.counters["skipped_steps"]
+        # Every batch the run will still consume (a skipped step consumes one too) is spoken
+        # for: generating more would only be thrown away at the end.
+        end = self.end_version
+        if end is not None and in_play + rows > (end + skipped) * self.batch_size:
+            return [], "ahead"
         if self.staleness.bounded:
-            in_play = self.trained + self.queued_for_trainer() + self.admitted_rows()
             # Batches consumed so far = versions + skipped steps; a row admitted now will be
             # consumed within `staleness` of them.
-            skipped = self.counters["skipped_steps"]
             allowed = self.staleness.rows_in_play
             if in_play + rows > allowed(version + skipped, self.batch_size):
                 if in_play + rows <= allowed(self.version + skipped, self.batch_size):

@@ -100,6 +100,7 @@ class TableState:
         staleness: Staleness | int | float | str = 1,
         batch_size: int = 16,
         dedup_window: int = 1_000_000,
+        end_version: int | None = None,
     ) -> None:
         if trainer_task not in tasks:
             raise ValueError(f"trainer task {trainer_task!r} must be one of the tasks {tasks}")
@@ -109,6 +110,10 @@ class TableState:
         self.staleness = Staleness.parse(staleness)
         self.batch_size = batch_size
         self.dedup_window = dedup_window
+        # The version the trainer stops at ([trainer] steps): nothing is admitted that no step
+        # would train. Without it an unbounded run ("inf") generated until the bus was full,
+        # and threw all of it away at the end.
+        self.end_version = end_version
         self.rows: OrderedDict[str, Row] = OrderedDict()
         self._trained_on_bus = 0  # rows the trainer acked that another task still holds
         self.groups: dict[str, list[str]] = {}

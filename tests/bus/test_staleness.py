@@ -31,11 +31,21 @@ def simulate(
     groups_per_batch: int,
     horizon: float,
     jitter: list[float],
+    end_version: int | None = None,
+    table_out: list[BusTable] | None = None,
 ) -> tuple[int, list[tuple[int, list[int]]], int]:
-    """Run until ``horizon``; returns (training steps, [(trainer version, row versions)],
-    rows dropped as stale)."""
+    """Run until ``horizon`` (or the trainer's ``end_version``); returns (training steps,
+    [(trainer version, row versions)], rows dropped as stale)."""
     batch = group_size * groups_per_batch
-    table = BusTable(tasks=("train",), capacity=64 * batch, staleness=staleness, batch_size=batch)
+    table = BusTable(
+        tasks=("train",),
+        capacity=64 * batch,
+        staleness=staleness,
+        batch_size=batch,
+        end_version=end_version,
+    )
+    if table_out is not None:
+        table_out.append(table)
     events: list[tuple[float, int, str, int]] = []  # (time, tiebreak, kind, producer)
     tick = 0
 
@@ -84,7 +94,7 @@ def simulate(
             weights[who] = table.version  # pick up the newest weights between groups
             push(now, "try", who)
             push(now, "train?", -1)
-        elif kind == "train?" and not trainer_busy:
+        elif kind == "train?" and not trainer_busy and table.version != end_version:
             _, lease = table.take(
                 "train", batch_size=batch, min_rows=batch, whole_groups=True, now=now
             )
@@ -145,3 +155,17 @@ def test_more_staleness_never_trains_slower(params) -> None:
     ):
         # Generation is a real share of the step: overlapping it with training must pay off.
         assert steps[-1] > steps[0], steps
+
+
+@settings(max_examples=60, deadline=None)
+@given(speeds)
+def test_nothing_is_generated_past_the_last_step_and_the_last_step_is_reached(params) -> None:
+    """With the run's end known (``[trainer] steps``), every staleness — "inf" included, which
+    generated until the bus was full — admits exactly the rows the remaining steps train."""
+    params = {**params, "jitter": [1.0]}
+    for s in STALENESS:
+        tables: list[BusTable] = []
+        steps, _, _ = simulate(s, horizon=1e6, end_version=6, table_out=tables, **params)
+        batch = params["group_size"] * params["groups_per_batch"]
+        assert steps == 6, (s, steps)  # no hang at the end
+        assert tables[0].counters["put"] == 6 * batch, (s, tables[0].counters)
