@@ -24,7 +24,8 @@ training of comparable cost, each far above the fixed per-step costs) or, with
 ``--scale digits``, exactly as shipped (tens of ms per step: the fixed costs dominate).
 
 The last lines are machine-readable, one ``name = value`` each. Run:
-``python bench/async_speedup.py [--rounds 3] [--steps 30] [--scale scaled|digits]``
+``python bench/async_speedup.py [--rounds 3] [--steps 30] [--scale scaled|digits|100m]``
+(``100m``: a ~100 M-parameter model with 128-token answers, compute-bound; for a GPU machine)
 (about 5-6 minutes on 2 cores with the defaults; start-up is 9-30 s per run of 34 steps).
 The machine must be otherwise idle: overlap needs the second core, so any outside load makes
 the asynchronous modes look worse than they are (the bench warns when the load average is
@@ -47,6 +48,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import (
+    SCALES,
     Run,
     StepCosts,
     limit_threads,
@@ -216,7 +218,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="applied steps before the clock")
-    parser.add_argument("--scale", choices=("scaled", "digits"), default="scaled")
+    parser.add_argument("--scale", choices=tuple(SCALES), default="scaled")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--cost-reps", type=int, default=5, help="T_gen/T_train reps per round")
     parser.add_argument(

@@ -31,7 +31,7 @@ Setup, once (TRL must not go into the main venv; ``.venv-bench`` is its own):
 
 (Re-run ``pip install -e .`` there whenever the project's dependencies change.)
 
-Run: ``.venv-bench/bin/python bench/vs_trl.py [--rounds 3] [--steps 30] [--scale digits|scaled]``
+Run: ``.venv-bench/bin/python bench/vs_trl.py [--rounds 3] [--steps 30] [--scale digits|scaled|100m]``
 (about 3 minutes on 2 cores with the defaults; ``--scale scaled --steps 20 --trl-threads 1``
 about 3 minutes too). Like every timing here it wants an otherwise idle machine.
 """

@@ -4,12 +4,15 @@ the bus carries the announcement and the commit, and serves the publisher's file
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -267,11 +270,13 @@ async def test_a_receiver_that_died_idle_costs_one_join_timeout_and_is_left_out_
             await pub.aclose()
 
 
-async def test_a_receiver_that_leaves_is_out_of_the_next_group_at_once(bus) -> None:
-    """A rollout stopped on purpose (drained, scaled away) leaves: the next version's group
-    is formed without it, with no join timeout waited — even though a poll of its was still
-    waiting at the bus when it left (that poll must not make it a member again)."""
-    opts = replace(FAST, join_timeout=20.0, lease=60.0)
+@contextlib.asynccontextmanager
+async def a_and_stopping_b(
+    bus: str, opts: PlaneOptions
+) -> AsyncIterator[tuple[BusClient, WeightPublisher, WeightSubscriber, WeightSubscriber, Any]]:
+    """A publisher and receivers ``a`` and ``b``, both counted as members, ``b`` stopping
+    (its wait cancelled: it will join nothing; its poll goes on waiting at the bus a while).
+    Yields ``(trainer's client, publisher, a, b, a's wait for its first version)``."""
     async with (
         await BusClient.connect(bus) as trainer_bus,
         await BusClient.connect(bus) as bus_a,
@@ -286,22 +291,31 @@ async def test_a_receiver_that_leaves_is_out_of_the_next_group_at_once(bus) -> N
             await wait_until(
                 lambda: _members_are(trainer_bus, ["a", "b"], opts.lease), what="both polling"
             )
-            wait_b.cancel()  # b stops: its poll goes on waiting at the bus a while
-            await b.leave()
-            assert await members(trainer_bus, opts.lease) == ["a"]
-            started = asyncio.get_running_loop().time()
-            assert await pub.publish(1, state_dict(3)) == 1  # a group of a alone
-            assert asyncio.get_running_loop().time() - started < 10  # no join timeout (20 s)
-            got = await wait_a
-            assert got is not None and same(got[1], state_dict(3))
-            assert a.statistics()["via_group"] == 1
-            # b's abandoned poll (pending_after -1) ended when version 1 was announced, well
-            # before a had it committed: it did not make b a member again.
-            assert await members(trainer_bus, opts.lease) == ["a"]
+            wait_b.cancel()
+            yield trainer_bus, pub, a, b, wait_a
         finally:
             await a.aclose()
             await b.aclose()
             await pub.aclose()
+
+
+async def test_a_receiver_that_leaves_is_out_of_the_next_group_at_once(bus) -> None:
+    """A rollout stopped on purpose (drained, scaled away) leaves: the next version's group
+    is formed without it, with no join timeout waited — even though a poll of its was still
+    waiting at the bus when it left (that poll must not make it a member again)."""
+    opts = replace(FAST, join_timeout=20.0, lease=60.0)
+    async with a_and_stopping_b(bus, opts) as (trainer_bus, pub, a, b, wait_a):
+        await b.leave()
+        assert await members(trainer_bus, opts.lease) == ["a"]
+        started = asyncio.get_running_loop().time()
+        assert await pub.publish(1, state_dict(3)) == 1  # a group of a alone
+        assert asyncio.get_running_loop().time() - started < 10  # no join timeout (20 s)
+        got = await wait_a
+        assert got is not None and same(got[1], state_dict(3))
+        assert a.statistics()["via_group"] == 1
+        # b's abandoned poll (pending_after -1) ended when version 1 was announced, well
+        # before a had it committed: it did not make b a member again.
+        assert await members(trainer_bus, opts.lease) == ["a"]
 
 
 async def test_a_receiver_that_leaves_while_the_group_forms_does_not_hold_the_publish(
@@ -312,36 +326,18 @@ async def test_a_receiver_that_leaves_while_the_group_forms_does_not_hold_the_pu
     got it killed before its last commit), the version commits, and the receiver that did
     join learns the group was abandoned and reads the version from the bus."""
     opts = replace(FAST, join_timeout=20.0, lease=60.0)
-    async with (
-        await BusClient.connect(bus) as trainer_bus,
-        await BusClient.connect(bus) as bus_a,
-        await BusClient.connect(bus) as bus_b,
-    ):
-        pub = WeightPublisher(trainer_bus, opts)
-        a = WeightSubscriber(bus_a, "a", opts)
-        b = WeightSubscriber(bus_b, "b", opts, poll_wait=3.0)
-        try:
-            wait_a = asyncio.create_task(a.next(-1, wait=60))
-            wait_b = asyncio.create_task(b.next(-1, wait=60))
-            await wait_until(
-                lambda: _members_are(trainer_bus, ["a", "b"], opts.lease), what="both polling"
-            )
-            wait_b.cancel()  # b is stopping: it will not join
-            started = asyncio.get_running_loop().time()
-            publishing = asyncio.create_task(pub.publish(1, state_dict(5)))
-            await wait_until(lambda: a.statistics()["epoch"] == 1, what="a joining the group")
-            await b.leave()
-            assert await publishing == 0  # nobody got it over the group
-            assert asyncio.get_running_loop().time() - started < 5  # join timeout: 20 s
-            assert pub.statistics()["group_failures"] == 1
-            assert "left the plane" in pub.statistics()["last_failure"]
-            got = await asyncio.wait_for(wait_a, 5)
-            assert got is not None and got[0] == 1 and same(got[1], state_dict(5))
-            assert a.statistics()["via_bus"] == 1
-        finally:
-            await a.aclose()
-            await b.aclose()
-            await pub.aclose()
+    async with a_and_stopping_b(bus, opts) as (_, pub, a, b, wait_a):
+        started = asyncio.get_running_loop().time()
+        publishing = asyncio.create_task(pub.publish(1, state_dict(5)))
+        await wait_until(lambda: a.statistics()["epoch"] == 1, what="a joining the group")
+        await b.leave()
+        assert await publishing == 0  # nobody got it over the group
+        assert asyncio.get_running_loop().time() - started < 5  # join timeout: 20 s
+        assert pub.statistics()["group_failures"] == 1
+        assert "left the plane" in pub.statistics()["last_failure"]
+        got = await asyncio.wait_for(wait_a, 5)
+        assert got is not None and got[0] == 1 and same(got[1], state_dict(5))
+        assert a.statistics()["via_bus"] == 1
 
 
 async def test_receivers_that_can_read_the_bus_s_file_read_it_verified_and_leave_the_group(
