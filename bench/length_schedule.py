@@ -48,8 +48,14 @@ SCHEDULES = ("batch", "shortest_first")
 
 
 def spread_recipe(
-    staleness: str, steps: int, schedule: str, model_dir: Path, max_new_tokens: int
+    staleness: str,
+    steps: int,
+    schedule: str,
+    model_dir: Path,
+    max_new_tokens: int,
+    extra: tuple[str, ...] = (),
 ) -> Any:
+    """The wide-spread recipe on the model in ``model_dir``, ``extra`` overrides last."""
     cfg = recipe(
         staleness,
         steps,
@@ -63,6 +69,7 @@ def spread_recipe(
             # The policy barely moves: the lengths keep their spread the whole run (trained
             # on the digits reward it soon answers in one token, and schedules stop mattering).
             "trainer.lr=1e-6",
+            *extra,
         ),
     )
     model = cfg.model.model_copy(update={"path": str(model_dir), "init": None})
@@ -93,51 +100,70 @@ def summary(run: Run, warmup: int) -> dict[str, float]:
         "lag": mean_lag(measured),
         "length": median([float(r.get("response_length_mean", "nan")) for r in measured]),
         "take_s": median([float(r.get("take_time_s", "nan")) for r in measured]),
+        "resumed": median([float(r.get("resumed_token_share", 0.0)) for r in measured]),
+        "token_lag": median([float(r.get("token_lag_mean", "nan")) for r in measured]),
     }
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+async def interleaved(
+    args: argparse.Namespace, modes: dict[str, tuple[str, tuple[str, ...]]]
+) -> tuple[dict[str, dict[str, float]], dict[str, list[Run]]]:
+    """Run each mode (``name: (schedule, extra overrides)``) once per round on the wide-spread
+    recipe, the order flipped every round; the medians of ``summary`` per mode, and the runs."""
+    results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    runs: dict[str, list[Run]] = {m: [] for m in modes}
+    with tempfile.TemporaryDirectory(prefix="relax-bench-lengths-") as tmp:
+        model_dir = build_model(Path(tmp), args.staleness)
+        for round_ in range(args.rounds):
+            order = list(modes) if round_ % 2 == 0 else list(modes)[::-1]
+            for mode in order:
+                schedule, extra = modes[mode]
+                cfg = spread_recipe(
+                    args.staleness, args.steps, schedule, model_dir, args.max_new_tokens, extra
+                )
+                run = await timed_run(cfg)
+                runs[mode].append(run)
+                results[mode].append(summary(run, args.warmup))
+                r = results[mode][-1]
+                print(
+                    f"round {round_} {mode:>14}: {r['period_s'] * 1e3:7.1f} ms/step,"
+                    f" lag {r['lag']:.2f}, token lag {r['token_lag']:.2f}, resumed tokens"
+                    f" {r['resumed']:.1%}, length {r['length']:.1f}, take {r['take_s'] * 1e3:.1f} ms"
+                )
+    med = {m: {k: median([r[k] for r in results[m]]) for k in results[m][0]} for m in modes}
+    for m in modes:
+        print(
+            f"{m:>14} (median): {med[m]['period_s'] * 1e3:.1f} ms/step, mean lag"
+            f" {med[m]['lag']:.2f}, token lag {med[m]['token_lag']:.2f}, resumed tokens"
+            f" {med[m]['resumed']:.1%}, length {med[m]['length']:.1f},"
+            f" take {med[m]['take_s'] * 1e3:.1f} ms"
+        )
+        print(f"{m:>14}: {phase_line(runs[m], args.warmup)}")
+    print(f"load average after: {load_average()}")
+    print(f"staleness = {args.staleness}")
+    print(f"max_new_tokens = {args.max_new_tokens}")
+    return med, runs
+
+
+def arguments(doc: str, staleness: str, max_new_tokens: int, steps: int) -> argparse.Namespace:
+    """The benches' shared options (threads set and logging quietened)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--staleness", default="2")
+    parser.add_argument("--staleness", default=staleness)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     args = parser.parse_args()
     limit_threads(args.threads)
     quiet()
     print(f"load average before: {load_average()}")
-    results: dict[str, list[dict[str, float]]] = {s: [] for s in SCHEDULES}
-    runs: dict[str, list[Run]] = {s: [] for s in SCHEDULES}
-    with tempfile.TemporaryDirectory(prefix="relax-bench-lengths-") as tmp:
-        model_dir = build_model(Path(tmp), args.staleness)
-        for round_ in range(args.rounds):
-            order = SCHEDULES if round_ % 2 == 0 else SCHEDULES[::-1]
-            for schedule in order:
-                cfg = spread_recipe(
-                    args.staleness, args.steps, schedule, model_dir, args.max_new_tokens
-                )
-                run = await timed_run(cfg)
-                runs[schedule].append(run)
-                results[schedule].append(summary(run, args.warmup))
-                r = results[schedule][-1]
-                print(
-                    f"round {round_} {schedule:>14}: {r['period_s'] * 1e3:7.1f} ms/step,"
-                    f" lag {r['lag']:.2f}, length {r['length']:.1f},"
-                    f" take {r['take_s'] * 1e3:.1f} ms"
-                )
-    med = {s: {k: median([r[k] for r in results[s]]) for k in results[s][0]} for s in SCHEDULES}
-    for s in SCHEDULES:
-        m = med[s]
-        print(
-            f"{s:>14} (median): {m['period_s'] * 1e3:.1f} ms/step, mean lag {m['lag']:.2f},"
-            f" mean length {m['length']:.1f}, take {m['take_s'] * 1e3:.1f} ms"
-        )
-        print(f"{s:>14}: {phase_line(runs[s], args.warmup)}")
-    print(f"load average after: {load_average()}")
-    print(f"staleness = {args.staleness}")
-    print(f"max_new_tokens = {args.max_new_tokens}")
+    return args
+
+
+async def main() -> None:
+    args = arguments(__doc__, staleness="2", max_new_tokens=48, steps=30)
+    med, _ = await interleaved(args, {s: (s, ()) for s in SCHEDULES})
     print(
         f"shortest_first_vs_batch = {med['batch']['period_s'] / med['shortest_first']['period_s']:.3f}"
     )

@@ -263,7 +263,7 @@ class RolloutConfig(RoleConfig):
     seed: int | None = 0
     """Seed of sampling: each prompt's samples come from generators seeded by (seed, prompt id), so a run is reproducible and a retried prompt reproduces its samples; unset draws fresh randomness."""
     interruptible: bool = True
-    """Let a weight update interrupt generation in flight (the rest of the response is generated with the new weights and per-token versions are recorded); if false, updates wait for the batch to finish."""
+    """Let a weight update interrupt generation in flight (the rest of the response is generated with the new weights and per-token versions are recorded: HF between two tokens, vLLM between two engine steps with each request resumed from its prefix); if false, updates wait for the batch to finish."""
     schedule: Literal["batch", "shortest_first"] = "batch"
     """How a replica's batch reaches the bus. "batch": every group once the whole batch is generated. "shortest_first" (length-aware): the batch is ordered by each prompt's expected response length (what it took on earlier epochs; unseen prompts count as the mean), so the engine's decode chunks hold similar lengths, shortest first, and each group is put the moment its last sample ends, so the trainer's batches fill with the short groups while the long ones go on (with `interruptible`, under the newer weights as partial rollouts). Single-reply rollouts only; `relax up --sync` plays "batch"."""
     vllm: VllmConfig = VllmConfig()

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -302,6 +303,27 @@ def refuse_adapter_tensors(items: Sequence[tuple[str, torch.Tensor]]) -> None:
             f" tensors (e.g. {adapters[0]!r}), but this engine serves full weights; serve"
             " with the same [model.lora] as the trainer"
         )
+
+
+def thread_callbacks(call: GenerateCall) -> tuple[OnToken | None, OnFinished | None]:
+    """``call``'s ``on_token`` and ``on_finished`` made callable from a worker thread: each
+    call is handed to the caller's event loop (``call_soon_threadsafe``), FIFO with the call's
+    own result (delivered the same way), so all of them run before ``generate`` returns.
+    Called on the caller's loop."""
+    emit = finished = None
+    if call.on_token is not None or call.on_finished is not None:
+        loop = asyncio.get_running_loop()
+
+        def later(callback: Callable[..., None]) -> Callable[..., None]:
+            def soon(*args: Any) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop closed under a stray thread
+                    loop.call_soon_threadsafe(callback, *args)
+
+            return soon
+
+        emit = later(call.on_token) if call.on_token is not None else None
+        finished = later(call.on_finished) if call.on_finished is not None else None
+    return emit, finished
 
 
 def with_rates(stats: dict[str, float | int], version: int) -> dict[str, float | int]:

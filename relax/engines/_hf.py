@@ -72,6 +72,7 @@ from relax.engines._base import (
     StateDict,
     TokenEvent,
     refuse_adapter_tensors,
+    thread_callbacks,
     with_rates,
 )
 from relax.models import (
@@ -220,25 +221,7 @@ class HFEngine(GenerationEngine):
         media = self._check_media(call.prompts, call.mm_inputs)
         if not call.prompts:
             return []
-        on_token = call.on_token
-        emit = None
-        if on_token is not None:
-            loop = asyncio.get_running_loop()
-
-            def emit(events: list[TokenEvent]) -> None:
-                # FIFO with the call's own result (also delivered by call_soon_threadsafe), so
-                # every token reaches the callback before ``generate`` returns.
-                with contextlib.suppress(RuntimeError):  # the loop closed under a stray thread
-                    loop.call_soon_threadsafe(on_token, events)
-
-        finished = None
-        if call.on_finished is not None:
-            on_finished, loop = call.on_finished, asyncio.get_running_loop()
-
-            def finished(sequence: int, gen: Generation) -> None:
-                with contextlib.suppress(RuntimeError):  # as emit: FIFO with the result
-                    loop.call_soon_threadsafe(on_finished, sequence, gen)
-
+        emit, finished = thread_callbacks(call)
         async with self._async_lock():
             return await asyncio.to_thread(
                 self._generate_sync, call.prompts, call.params, call.seeds, media, emit, finished

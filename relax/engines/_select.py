@@ -31,4 +31,6 @@ def open_engine(
         )
     from relax.engines._vllm import VLLMEngine
 
-    return VLLMEngine.from_pretrained(model_dir, dtype, options=rollout.vllm, lora=lora)
+    return VLLMEngine.from_pretrained(
+        model_dir, dtype, options=rollout.vllm, lora=lora, interruptible=rollout.interruptible
+    )

@@ -14,8 +14,12 @@ How it works, and why:
   ``logit_bias``, ``presence_penalty`` and ``frequency_penalty`` map to vLLM's own, applied
   (as ours) to the logits before temperature, and over the response's tokens only, so the
   processed logprobs include them; ``top_logprobs = N`` asks vLLM for its N most likely
-  processed tokens. vLLM's ``LLM.generate`` returns whole responses: this engine does not
-  stream (``streams`` is false; ``on_token`` is refused).
+  processed tokens.
+- **Our own step loop** (``relax.engines._vllm_loop``) instead of ``LLM.generate``: calls
+  batch continuously (one arriving mid-decode joins at the next step), every step's tokens
+  stream to ``on_token``, each sequence is reported as it ends, and, when the engine is
+  *interruptible*, a weight update lands between two steps, the running requests resumed from
+  their prefixes under the new weights (partial rollouts, per-token versions recorded).
 - **Only our stop ids stop.** ``ignore_eos=True`` and ``generation_config="vllm"`` keep the
   checkpoint's EOS and sampling defaults out: only the arguments of ``generate`` decide.
 - **Seeds per sample.** vLLM seeds each request's own generator, and identical seeds draw
@@ -23,11 +27,12 @@ How it works, and why:
   with its own seed derived from the call's seed (or the prompt's, for per-prompt seeds): the
   ``n`` samples of a prompt differ, and a prompt's samples do not depend on its batch-mates.
   Unseeded calls use vLLM's default, the process's global torch RNG (as ``HFEngine`` does).
-- **Off the event loop, atomic weights.** As in ``HFEngine``: an ``asyncio.Lock`` orders
-  ``generate``/``load_weights``/``close`` without blocking the loop, work runs in a worker
-  thread (``asyncio.to_thread``), and a ``threading.Lock`` keeps an abandoned (cancelled)
-  generation from overlapping a weight swap. A process-wide lock serialises every call into
-  vLLM, whose parallel state is process-global.
+- **Off the event loop, atomic weights.** The step loop runs in its own thread and holds a
+  ``threading.Lock`` while it runs; a weight load offered while it runs lands between two
+  steps, one offered while it does not is applied directly under the same lock, so no step
+  ever sees a mix of versions. An ``asyncio.Lock`` orders loads among themselves and with
+  ``close``. A process-wide lock serialises every call into vLLM, whose parallel state is
+  process-global.
 - **Weight updates.** Names and shapes are checked against the Hugging Face model's own
   (built on the meta device, so free) before anything changes; then
   ``collective_rpc("reload_weights", weights_iterator=...)`` reloads in place (vLLM repacks
@@ -47,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hashlib
 import logging
 import os
 import random
@@ -71,8 +75,10 @@ from relax.engines._base import (
     SamplingParams,
     StateDict,
     refuse_adapter_tensors,
+    thread_callbacks,
     with_rates,
 )
+from relax.engines._vllm_loop import Call, StepLoop, mix_seed
 from relax.engines._vllm_lora import VllmAdapters, check_served, max_lora_rank
 from relax.errors import ConfigError, ConfigIssue
 from relax.models import load_tokenizer
@@ -189,12 +195,6 @@ def _host_state_restored() -> Iterator[None]:
             gc.unfreeze()
 
 
-def _mix_seed(*parts: int) -> int:
-    """A stable 63-bit seed from integers; distinct inputs give unrelated seeds."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
 def _jobs(
     prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int] | None
 ) -> list[tuple[list[int], int, int | None]]:
@@ -203,9 +203,9 @@ def _jobs(
     for i, prompt in enumerate(prompts):
         for k in range(params.n):
             if seeds is not None:
-                job_seed: int | None = _mix_seed(seeds[i], k)
+                job_seed: int | None = mix_seed(seeds[i], k)
             elif params.seed is not None:
-                job_seed = _mix_seed(params.seed, i, k)
+                job_seed = mix_seed(params.seed, i, k)
             else:
                 job_seed = None
             jobs.append((list(prompt), k, job_seed))
@@ -233,6 +233,8 @@ class VLLMEngine(GenerationEngine):
     """Sample with an in-process ``vllm.LLM``; build it with ``from_pretrained``."""
 
     regenerates = True
+    streams = True  # the step loop sees every step's tokens
+    finishes_early = True
 
     def __init__(
         self,
@@ -243,6 +245,7 @@ class VLLMEngine(GenerationEngine):
         config: Any,
         version: int = 0,
         adapters: VllmAdapters | None = None,
+        interruptible: bool = False,
     ) -> None:
         self.llm: Any | None = llm
         self.adapters = adapters
@@ -263,8 +266,11 @@ class VLLMEngine(GenerationEngine):
             "generate_seconds": 0.0,
             "weight_loads": 0,
             "weight_load_seconds": 0.0,
-            "interrupted_loads": 0,  # never: this engine finishes a generation before a swap
+            "interrupted_loads": 0,  # updates that landed while requests ran
+            "resumed_sequences": 0,  # requests aborted by such an update and added again
         }
+        self.interruptible = interruptible
+        self._loop = StepLoop(self, interruptible=interruptible)
 
     @classmethod
     def from_pretrained(
@@ -275,12 +281,15 @@ class VLLMEngine(GenerationEngine):
         options: VllmConfig | None = None,
         version: int = 0,
         lora: LoraConfig | None = None,
+        interruptible: bool = False,
     ) -> VLLMEngine:
         """Start vLLM on a local HF model folder (the tiny ones of ``build_tiny_model`` too).
 
         Blocks while vLLM starts (seconds for a small model with ``enforce_eager``). On a CPU
         build ``enforce_eager`` is always on (graph capture is a GPU feature). With ``lora``,
-        ``load_weights`` takes adapter tensors, served as LoRA requests.
+        ``load_weights`` takes adapter tensors, served as LoRA requests. ``interruptible``:
+        weight updates land between two engine steps of the requests in flight (see
+        ``relax.engines._vllm_loop``).
         """
         options = options or VllmConfig()
         folder = Path(path)
@@ -333,6 +342,7 @@ class VLLMEngine(GenerationEngine):
                 config=config,
                 version=version,
                 adapters=adapters,
+                interruptible=interruptible,
             )
         except BaseException:
             _shutdown(llm)
@@ -356,26 +366,34 @@ class VLLMEngine(GenerationEngine):
             raise EngineError(
                 "the vLLM engine does not serve media yet; use engine = 'hf' for multimodal prompts"
             )
-        if on_token is not None:
-            raise EngineError(
-                "the vLLM engine does not stream tokens (LLM.generate returns whole responses);"
-                " call it without on_token, or use engine = 'hf'"
-            )
 
     async def _generate(self, call: GenerateCall) -> list[Generation]:
         if not call.prompts:
             return []
-        jobs = _jobs(call.prompts, call.params, call.seeds)
-        async with self._async_lock():
-            return await asyncio.to_thread(self._generate_sync, jobs, call.params)
+        emit, finished = thread_callbacks(call)
+        started = time.perf_counter()
+        queued = Call(
+            _jobs(call.prompts, call.params, call.seeds), call.params, emit=emit, finished=finished
+        )
+        self._loop.submit(queued)
+        self._stats["requests"] += 1
+        gens = await self._loop.wait(queued)
+        self._count(gens, started)
+        return gens
 
     async def load_weights(self, version: int, state_dict: StateDict) -> None:
         items = list(state_dict.items()) if isinstance(state_dict, Mapping) else list(state_dict)
+        # Loads are ordered among themselves (and with close); generations go on meanwhile.
         async with self._async_lock():
+            offered = self._loop.offer(version, items)
+            if offered is not None:  # lands at the step loop's next boundary
+                await asyncio.wrap_future(offered)
+                return
             await asyncio.to_thread(self._load_sync, version, items)
 
     async def close(self) -> None:
         async with self._async_lock():
+            self._loop.close()  # calls queued or running finish first: the thread lock waits
             await asyncio.to_thread(self._close_sync)
 
     def regenerate(
@@ -385,29 +403,46 @@ class VLLMEngine(GenerationEngine):
         seeds: list[int],
         schedules: Sequence[Sequence[int] | None],
         weights: Callable[[int], StateDict],
+        *,
+        runs: Sequence[Sequence[tuple[int, int]]] | None = None,
     ) -> list[Generation | None]:
         """Run a recorded call again (``relax replay --regenerate``; blocking, off any event
-        loop): the same requests with the same seeds, in one ``LLM.generate``, on the weights
-        of the version the call ran on, older ones too (``weights(v)``). vLLM finishes a call
-        on one version, so a call is one chunk: ``schedules`` is ``[versions]`` (one version
-        throughout) or ``[None]`` (nothing to decode). Whether vLLM repeats itself bit for bit
-        is exactly what the caller checks: its batched kernels do not promise it on GPU."""
+        loop): the same requests with the same seeds, on the weights of the versions the call
+        ran on, older ones too (``weights(v)``). vLLM schedules a call itself, so a call is one
+        chunk: ``schedules`` is ``[versions]`` or ``[None]`` (nothing to decode). ``runs``: per
+        generation, its ``(version, tokens)`` segments, as an interruptible call recorded them;
+        the segments of each version are decoded together, each resumed from the prefix the
+        earlier ones regenerated, with the seed the step loop gave it. Without ``runs`` the call
+        must have run on one version. Whether vLLM repeats itself bit for bit is exactly what
+        the caller checks: its batched kernels do not promise it on GPU."""
         if len(schedules) != 1:
             raise EngineError(f"a vLLM call is one chunk, not {len(schedules)}")
         jobs = _jobs(prompts, params, seeds)
         (schedule,) = schedules
         if schedule is None:
             return [None] * len(jobs)
-        if len(set(schedule)) != 1:
-            raise EngineError(
-                f"a vLLM call runs on one weights version, not {sorted(set(schedule))}"
-            )
         if self.adapters is not None:
             raise EngineError("regenerating with vLLM serves full weights, not LoRA adapters")
-        version = schedule[0]
-        if version != self._version:
-            self._load_sync(version, list(weights(version).items()), any_version=True)
-        return list(self._generate_sync(jobs, params))
+        if runs is None:
+            if len(set(schedule)) != 1:
+                raise EngineError(
+                    f"this vLLM call switched weights ({sorted(set(schedule))}): regenerating it"
+                    " needs each generation's version runs"
+                )
+            runs = [[(schedule[0], params.max_new_tokens)]] * len(jobs)
+        if len(runs) != len(jobs):
+            raise EngineError(f"{len(runs)} version runs for {len(jobs)} generations")
+        gens: list[Generation | None] = [None] * len(jobs)
+        for version in sorted({v for row in runs for v, _ in row}):
+            picked = [(j, n) for j, row in enumerate(runs) for v, n in row if v == version]
+            call = Call([jobs[j] for j, _ in picked], params)
+            for seq, (j, count) in zip(call.sequences, picked, strict=True):
+                seq.resume(gens[j], count)
+            if version != self._version:
+                self._load_sync(version, list(weights(version).items()), any_version=True)
+            for (j, _), gen in zip(picked, self._run_sync(call), strict=True):
+                gens[j] = gen
+        return gens
 
     # ------------------------------------------------------------------ generation
 
@@ -420,10 +455,27 @@ class VLLMEngine(GenerationEngine):
     def max_model_len(self) -> int | None:
         return self._max_len
 
-    def _request_params(self, params: SamplingParams, seed: int | None) -> Any:
-        return self._vllm.SamplingParams(
+    def process_lock(self) -> threading.RLock:
+        """Held around every call into vLLM (its parallel state is process-global)."""
+        return _PROCESS_LOCK
+
+    def llm_core(self) -> Any:
+        """vLLM's ``LLMEngine`` (in-process): what the step loop adds to, steps and aborts."""
+        return self._open_llm().llm_engine
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        seed: int | None,
+        budget: int,
+    ) -> None:
+        """Add one request of ``budget`` tokens that reports each step's new tokens."""
+        llm = self._open_llm()
+        vllm_params = self._vllm.SamplingParams(
             n=1,
-            max_tokens=params.max_new_tokens,
+            max_tokens=budget,
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,  # 0 disables it, as ours
@@ -436,52 +488,31 @@ class VLLMEngine(GenerationEngine):
             frequency_penalty=params.frequency_penalty,
             detokenize=False,
             seed=seed,
+            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA,
         )
+        # Rendered as LLM.generate renders a token prompt (raw prompts are deprecated).
+        rendered = llm._preprocess_cmpl_one({"prompt_token_ids": prompt})
+        lora = self.adapters.request if self.adapters is not None else None
+        llm.llm_engine.add_request(request_id, rendered, vllm_params, lora_request=lora)
 
-    def _generate_sync(
-        self, jobs: list[tuple[list[int], int, int | None]], params: SamplingParams
-    ) -> list[Generation]:
-        with self._thread_lock, _PROCESS_LOCK:
-            llm = self._open_llm()
-            version = self._version
-            started = time.perf_counter()
-            outputs = llm.generate(
-                [{"prompt_token_ids": prompt} for prompt, _, _ in jobs],
-                [self._request_params(params, seed) for _, _, seed in jobs],
-                use_tqdm=False,
-                lora_request=self.adapters.request if self.adapters is not None else None,
-            )
-            stops = set(params.stop_token_ids)
-            out: list[Generation] = []
-            for (prompt, index, _), request in zip(jobs, outputs, strict=True):
-                completion = request.outputs[0]
-                if completion.finish_reason not in ("stop", "length"):
-                    raise EngineError(f"vLLM ended a response with {completion.finish_reason!r}")
-                ids = [int(t) for t in completion.token_ids]
-                logprobs = [
-                    float(entry[token].logprob)
-                    for entry, token in zip(completion.logprobs, ids, strict=True)
-                ]
-                tops = None
-                if params.top_logprobs:
-                    tops = [_top(entry, params.top_logprobs) for entry in completion.logprobs]
-                out.append(
-                    Generation(
-                        prompt_ids=list(prompt),
-                        response_ids=ids,
-                        logprobs=logprobs,
-                        finish_reason="stop" if ids and ids[-1] in stops else "length",
-                        version=version,
-                        index=index,
-                        top_logprobs=tops,
-                    )
-                )
-            self._stats["requests"] += 1
-            self._stats["sequences"] += len(out)
-            self._stats["prompt_tokens"] += sum(len(g.prompt_ids) for g in out)
-            self._stats["generated_tokens"] += sum(len(g.response_ids) for g in out)
-            self._stats["generate_seconds"] += time.perf_counter() - started
-            return out
+    def _run_sync(self, call: Call) -> list[Generation]:
+        """Queue ``call`` from outside any event loop (``regenerate``) and wait for it."""
+        started = time.perf_counter()
+        self._loop.submit(call)
+        self._stats["requests"] += 1
+        gens = call.future.result()
+        self._count(gens, started)
+        return gens
+
+    def _count(self, gens: list[Generation], started: float) -> None:
+        self._stats["sequences"] += len(gens)
+        self._stats["prompt_tokens"] += sum(len(g.prompt_ids) for g in gens)
+        self._stats["generated_tokens"] += sum(len(g.response_ids) for g in gens)
+        self._stats["generate_seconds"] += time.perf_counter() - started
+
+    def count_interruption(self, resumed: int) -> None:
+        self._stats["interrupted_loads"] += 1
+        self._stats["resumed_sequences"] += resumed
 
     # ------------------------------------------------------------------ weights
 
@@ -507,7 +538,15 @@ class VLLMEngine(GenerationEngine):
     def _load_sync(
         self, version: int, items: list[tuple[str, torch.Tensor]], *, any_version: bool = False
     ) -> None:
-        with self._thread_lock, _PROCESS_LOCK:
+        with self._thread_lock:
+            self.apply_weights(version, items, any_version=any_version)
+
+    def apply_weights(
+        self, version: int, items: list[tuple[str, torch.Tensor]], *, any_version: bool = False
+    ) -> None:
+        """Check and load ``items`` as ``version`` (the caller holds the thread lock: a direct
+        load, or the step loop between two steps)."""
+        with _PROCESS_LOCK:
             llm = self._open_llm()
             started = time.perf_counter()
             if version < self._version and not any_version:
@@ -548,17 +587,6 @@ class VLLMEngine(GenerationEngine):
                 _shutdown(llm)
             if self.adapters is not None:
                 self.adapters.close()
-
-
-def _top(entry: Mapping[int, Any], count: int) -> list[tuple[int, float]]:
-    """vLLM's logprobs of one step (the top ``count`` by rank, plus the sampled token) as our
-    most-likely-first ``(id, logprob)`` pairs, tokens it could not draw left out."""
-    ranked = sorted(
-        (int(v.rank), int(t), float(v.logprob))
-        for t, v in entry.items()
-        if v.rank is not None and v.rank <= count
-    )
-    return [(t, lp) for _, t, lp in ranked if lp != float("-inf")]
 
 
 def _shutdown(llm: Any) -> None:

@@ -5,13 +5,15 @@ say how a row was generated. Each rollout therefore appends one JSON line per ge
 of the HF engine to ``record/generations/<replica>.jsonl``:
 
 ``{"engine", "uids", "prompts", "seeds", "params", "max_batch_size", "device", "threads",
-"chunks", "kept"}``
+"chunks", "kept", "runs"}``
     the engine ("hf" or "vllm"), the prompt rows' uids and token ids, their sampling seeds,
     the sampling parameters, how the engine cut the call's ``n`` samples per prompt into
     decode batches (vLLM: the whole call is one), its device and
     torch thread count, per batch (chunk) the weights version of every decode step — one
-    version throughout, or the switches of an interruptible generation — and, with
-    ``rollout.stop``, how many tokens of each generation the stop strings kept.
+    version throughout, or the switches of an interruptible generation — with
+    ``rollout.stop``, how many tokens of each generation the stop strings kept, and (vLLM) each
+    generation's ``[version, tokens]`` runs: vLLM resumes every request at a weight update
+    from its own prefix, so a regeneration replays each generation's own segments.
 
 A regeneration decodes such a chunk again (``HFEngine.regenerate``): the same rows in the same
 batch (a row's logprobs depend on its batch in the last bits), each from its seeded generator,
@@ -38,6 +40,23 @@ from relax.errors import RecordError
 
 GENERATIONS_DIR = "generations"
 """Under ``record/``: one file per rollout replica."""
+
+
+def version_runs(gen: Any) -> list[list[int]]:
+    """``gen``'s tokens as ``[version, count]`` runs, oldest first."""
+    runs: list[list[int]] = []
+    for version in gen.token_versions or [gen.version] * len(gen.response_ids):
+        if runs and runs[-1][0] == version:
+            runs[-1][1] += 1
+        else:
+            runs.append([version, 1])
+    return runs
+
+
+def call_versions(call: dict[str, Any], chunk: int) -> set[int]:
+    """Every weights version regenerating ``call``'s ``chunk`` needs."""
+    versions = set(call["chunks"][chunk])
+    return versions | {v for runs in call.get("runs") or [] for v, _ in runs}
 
 
 def chunk_schedules(gens: list[Any], max_batch_size: int) -> list[list[int]]:
@@ -97,6 +116,8 @@ class GenerationLog:
             "chunks": chunk_schedules(gens, batch),
             "kept": kept,
         }
+        if kind == "vllm":
+            line["runs"] = [version_runs(g) for g in gens]
         self._file.write(json.dumps(line).encode() + b"\n")
         self._file.flush()
 
@@ -203,7 +224,7 @@ class Regenerator:
                 self.candidates.setdefault(uid, []).append((i, chunk, job))
         uses = Counter((i, c) for rows in self.candidates.values() for i, c, _ in rows)
         self._uses = uses  # references of rows still to check, per chunk
-        self._needed = Counter(v for (i, c) in uses for v in set(self.calls[i]["chunks"][c]))
+        self._needed = Counter(v for (i, c) in uses for v in call_versions(self.calls[i], c))
         self._held: dict[int, dict[str, Any]] = {}
         self._done: dict[tuple[int, int], list[Any]] = {}  # regenerated chunks, while needed
         self.report = RegenerateReport(engine=self.engine_kind)
@@ -248,8 +269,7 @@ class Regenerator:
             return self._done[chunk]
         i, c = chunk
         call = self.calls[i]
-        schedule = call["chunks"][c]
-        if any(v not in self._held for v in schedule):
+        if any(v not in self._held for v in call_versions(call, c)):
             return None
         import torch
 
@@ -269,12 +289,14 @@ class Regenerator:
         torch.set_num_threads(call["threads"])  # the sums' split, as the rollout's
         try:
             schedules = [s if k == c else None for k, s in enumerate(call["chunks"])]
+            runs = {"runs": call["runs"]} if call.get("runs") is not None else {}
             gens = engine.regenerate(
                 call["prompts"],
                 SamplingParams(**call["params"]),
                 call["seeds"],
                 schedules,
                 self._held.__getitem__,
+                **runs,
             )
         finally:
             torch.set_num_threads(threads)
@@ -295,7 +317,7 @@ class Regenerator:
             return
         self._done.pop(chunk, None)
         i, c = chunk
-        for v in set(self.calls[i]["chunks"][c]):
+        for v in call_versions(self.calls[i], c):
             self._needed[v] -= 1
             if self._needed[v] == 0:
                 self._held.pop(v, None)

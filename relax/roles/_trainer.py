@@ -36,7 +36,13 @@ from relax.bus import Batch, BusClient, WeightPublisher, plane_options
 from relax.config import ClusterConfig
 from relax.observe import MetricsFanout, build_sinks
 from relax.replay import RecordWriter, drop_unpublished, weights_digest
-from relax.roles._common import LearnerRole, connect_bus, training_row, without_poisoned
+from relax.roles._common import (
+    LearnerRole,
+    as_list,
+    connect_bus,
+    training_row,
+    without_poisoned,
+)
 from relax.roles._reward import component_metrics
 from relax.schema import (
     EPISODE_END,
@@ -49,6 +55,7 @@ from relax.schema import (
     REWARD,
     ROUTED_EXPERTS,
     SUCCESS,
+    TOKEN_VERSIONS,
     TURNS,
     VALUES,
 )
@@ -84,6 +91,7 @@ OPTIONAL_COLUMNS = (
     SUCCESS,
     MM_INPUTS,
     ROUTED_EXPERTS,
+    TOKEN_VERSIONS,  # for the per-token lag metrics of partial rollouts
     "reward_components",
 )
 """Columns some rows have (multi-turn episodes, media prompts): taken when present."""
@@ -104,6 +112,25 @@ def length_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
         "response_length_mean": sum(lengths) / len(lengths),
         "response_length_max": max(lengths),
     }
+
+
+def token_version_metrics(rows: list[dict[str, Any]], trainer_version: int) -> dict[str, float]:
+    """Partial rollouts, per token: the share of response tokens sampled under a newer version
+    than their row's oldest (a weight update landed mid-response), and the mean token lag
+    (the trainer's version at the take minus each token's version; a row's ``lag_hist`` counts
+    its oldest token)."""
+    tokens = newer = lag = 0
+    for row in rows:
+        versions = row["columns"].get(TOKEN_VERSIONS)
+        if versions is None:
+            continue
+        versions = as_list(versions)
+        tokens += len(versions)
+        newer += sum(v > row["version"] for v in versions)
+        lag += sum(trainer_version - v for v in versions)
+    if not tokens:
+        return {}
+    return {"resumed_token_share": newer / tokens, "token_lag_mean": lag / tokens}
 
 
 def episode_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -440,6 +467,7 @@ class TrainerRole(LearnerRole):
                 "publish_time_s": self._last_publish_s,
                 "time": time.time(),  # when the step ended (Unix seconds), for rates and plots
                 **length_metrics(batch.rows),
+                **token_version_metrics(batch.rows, batch.trainer_version),
                 **episode_metrics(batch.rows),
                 **component_metrics(batch.rows),  # reward/<component> means
                 **result.metrics,

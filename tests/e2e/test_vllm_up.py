@@ -7,6 +7,7 @@ vllm fails instead.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 from pathlib import Path
@@ -63,3 +64,37 @@ async def test_digits_recipe_runs_on_vllm(tmp_path: Path) -> None:
     assert len({v for c in calls for chunk in c["chunks"] for v in chunk}) > 1, calls
     assert regen.identical == regen.rows, report.divergences[:3]
     assert report.identical, report.divergences[:3]
+
+
+async def test_partial_rollouts_on_vllm_resume_and_regenerate(tmp_path: Path) -> None:
+    """At staleness "inf" with 64-token answers (a random-init policy answers to the cap), the
+    trainer publishes while vLLM decodes: each running request is resumed from its prefix
+    under the new weights. The trained rows carry the tokens of both versions, and the replay
+    regenerates every one of them segment by segment, bit for bit."""
+    cfg = load_config(
+        RECIPE,
+        overrides=[
+            'rollout.engine="vllm"',
+            "trainer.steps=6",
+            'staleness="inf"',
+            "rollout.max_new_tokens=64",
+            "model.init.num_heads=2",
+            "model.init.num_kv_heads=1",
+        ],
+    )
+    assert cfg.rollout.interruptible  # the default
+    layout = await cluster.run(cfg, tmp_path / "run")
+    rows = [
+        json.loads(line) for line in (layout.run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows if r["applied"]] == list(range(1, 7))
+    # Tokens sampled after a weight update landed mid-response reached the trainer.
+    assert max(r["resumed_token_share"] for r in rows) > 0, rows
+    calls = read_calls(layout.run_dir / RECORD_DIR)
+    interrupted = [runs for c in calls for runs in c["runs"] if len(runs) > 1]
+    assert interrupted, calls
+    assert all(a[0] < b[0] for runs in interrupted for a, b in itertools.pairwise(runs))
+    report = replay(layout.run_dir, regenerate=True)
+    regen = report.regenerated
+    assert regen is not None and regen.rows == 6 * cfg.trainer.global_batch_size
+    assert regen.identical == regen.rows, report.divergences[:3]

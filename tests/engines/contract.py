@@ -105,6 +105,33 @@ class EngineContract:
         assert all(heard[i] == gen for i, gen in enumerate(gens))  # the very generations
         assert len({len(g.response_ids) for g in gens}) > 1  # the lengths did differ
 
+    async def test_a_sequence_is_reported_the_moment_it_ends_not_with_its_batch(
+        self, engine: GenerationEngine
+    ) -> None:
+        """``on_finished`` and ``on_token`` reach the loop in the order the decode loop produced
+        them: when a sequence is reported, exactly as many decode steps were heard as it has
+        tokens — the shortest come out first, while the longest still decode."""
+        params = SamplingParams(max_new_tokens=16, n=4, stop_token_ids=tuple(range(0, 512, 3)))
+        steps = 0
+        order: list[tuple[int, int]] = []  # (steps heard, tokens) at each report
+
+        def on_token(events: list) -> None:
+            nonlocal steps
+            steps += 1
+
+        def finished(sequence: int, gen: Generation) -> None:
+            order.append((steps, len(gen.response_ids)))
+
+        gens = await engine.generate(
+            PROMPTS, params, seeds=[3, 4], on_token=on_token, on_finished=finished
+        )
+        ended = [(len(g.response_ids), g.finish_reason) for g in gens]
+        assert len(order) == len(gens) and len({n for n, _ in ended}) > 2
+        stopped = [(heard, n) for heard, n in order if heard < steps]
+        assert stopped and all(heard == n for heard, n in stopped)  # reported at its own end
+        assert [n for _, n in order] == sorted(n for n, _ in ended)  # shortest first
+        assert engine.finishes_early
+
     @pytest.mark.parametrize(("temperature", "n"), [(1.0, 1), (0.7, 2), (1.5, 1), (0.0, 1)])
     async def test_logprobs_equal_a_recomputation(
         self,
@@ -258,8 +285,9 @@ class EngineContract:
     async def test_cancelled_generation_still_never_overlaps_a_load(
         self, swap: Swap, reference_models: References
     ) -> None:
-        # A cancelled caller releases the asyncio lock while its thread still decodes; the
-        # thread lock must keep the weight swap waiting until that decode is over.
+        # A cancelled caller stops waiting while a worker thread still decodes its call (HF to
+        # the end; vLLM's step loop aborts it at the next step): the weight swap must still
+        # wait for that thread, never land inside a forward pass.
         engine = swap.engine
         requests = engine.statistics()["requests"]
         task = asyncio.create_task(
@@ -270,6 +298,6 @@ class EngineContract:
         with pytest.raises(asyncio.CancelledError):
             await task
         now = await swap.load_next(reference_models)
-        assert engine.statistics()["requests"] == requests + 1  # the abandoned decode finished
+        assert engine.statistics()["requests"] == requests + 1  # the abandoned call was taken
         gens = await engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=1))
         assert all(g.version == engine.version and close(g, reference_models[now]) for g in gens)

@@ -67,34 +67,6 @@ async def test_batch_chunks_give_the_same_answers(tiny_dir: Path) -> None:
     assert [g.response_ids for g in a] == [g.response_ids for g in b]
 
 
-async def test_a_sequence_is_reported_the_moment_it_ends_not_with_its_batch(
-    engine: HFEngine,
-) -> None:
-    """``on_finished`` and ``on_token`` reach the loop in the order the decode loop produced
-    them: when a sequence is reported, exactly as many decode steps were heard as it has
-    tokens — the shortest come out first, while the longest still decode."""
-    params = SamplingParams(max_new_tokens=16, n=4, stop_token_ids=tuple(range(0, 512, 3)))
-    steps = 0
-    order: list[tuple[int, int]] = []  # (steps heard, tokens) at each report
-
-    def on_token(events: list) -> None:
-        nonlocal steps
-        steps += 1
-
-    def finished(sequence: int, gen: Generation) -> None:
-        order.append((steps, len(gen.response_ids)))
-
-    gens = await engine.generate(
-        PROMPTS, params, seeds=[3, 4], on_token=on_token, on_finished=finished
-    )
-    ended = [(len(g.response_ids), g.finish_reason) for g in gens]
-    assert len(order) == len(gens) and len({n for n, _ in ended}) > 2
-    stopped = [(heard, n) for heard, n in order if heard < steps]
-    assert stopped and all(heard == n for heard, n in stopped)  # reported at its own end
-    assert [n for _, n in order] == sorted(n for n, _ in ended)  # shortest first
-    assert engine.finishes_early
-
-
 async def decoding_interruptibly(tiny_dir: Path) -> tuple[HFEngine, asyncio.Task[list[Generation]]]:
     """An interruptible engine, and a long generation (200 tokens) it has started decoding."""
     engine = HFEngine.from_pretrained(tiny_dir, max_batch_size=16, interruptible=True)

@@ -277,9 +277,5 @@ async def test_bias_penalties_and_top_logprobs_map_to_vllm(
             assert [i for i, _ in top] == top_ids.tolist()
             assert [v for _, v in top] == pytest.approx(values.tolist(), abs=ATOL)
         assert 66 not in gen.response_ids
-    with pytest.raises(EngineError, match="does not stream"):
-        await engine.generate(
-            PROMPTS, SamplingParams(max_new_tokens=2), on_token=lambda events: None
-        )
     with pytest.raises(EngineError, match="logit_bias has token ids outside"):
         await engine.generate(PROMPTS, SamplingParams(max_new_tokens=2, logit_bias={10_000: 1.0}))
