@@ -510,8 +510,8 @@ class VLLMEngine(GenerationEngine):
         self._stats["generated_tokens"] += sum(len(g.response_ids) for g in gens)
         self._stats["generate_seconds"] += time.perf_counter() - started
 
-    def count_interruption(self, resumed: int) -> None:
-        self._stats["interrupted_loads"] += 1
+    def count_interruption(self, loads: int, resumed: int) -> None:
+        self._stats["interrupted_loads"] += loads
         self._stats["resumed_sequences"] += resumed
 
     # ------------------------------------------------------------------ weights
@@ -541,6 +541,21 @@ class VLLMEngine(GenerationEngine):
         with self._thread_lock:
             self.apply_weights(version, items, any_version=any_version)
 
+    def check_update(
+        self, version: int, items: list[tuple[str, torch.Tensor]], *, any_version: bool = False
+    ) -> None:
+        """Raise ``EngineError`` for an update that must not load (before vLLM sees anything,
+        so a bad update leaves the old weights whole and, mid-call, nothing interrupted)."""
+        if version < self._version and not any_version:
+            raise EngineError(
+                f"weights version {version} is older than the served version {self._version}"
+            )
+        if self.adapters is not None:
+            self.adapters.check(items)
+            return
+        refuse_adapter_tensors(items)
+        self._check_weights(items)
+
     def apply_weights(
         self, version: int, items: list[tuple[str, torch.Tensor]], *, any_version: bool = False
     ) -> None:
@@ -549,18 +564,11 @@ class VLLMEngine(GenerationEngine):
         with _PROCESS_LOCK:
             llm = self._open_llm()
             started = time.perf_counter()
-            if version < self._version and not any_version:
-                raise EngineError(
-                    f"weights version {version} is older than the served version {self._version}"
-                )
+            self.check_update(version, items, any_version=any_version)
             if self.adapters is not None:
-                self.adapters.check(items)  # before vLLM sees anything: the old adapter stays
                 self.adapters.load(llm, version, items)
                 self._loaded(version, started)
                 return
-            refuse_adapter_tensors(items)
-            # Checked before vLLM sees anything, so a bad update leaves the old weights whole.
-            self._check_weights(items)
             weights = [(name, tensor.detach()) for name, tensor in items]
             # vLLM's in-place reload wants every name of a tied group: given only the input
             # embedding, it would put the old output head back (vllm 0.32).

@@ -292,20 +292,33 @@ class StepLoop:
                 seq.call.done(seq)
 
     def _apply(self, updates: list[Update]) -> None:
-        """Abort what runs, load the updates in order, resume what was aborted."""
-        paused = list(self._running.values())
-        self._abort(paused)
+        """Check the updates, and if any is good: abort what runs, load them in order, resume
+        what was aborted (a refused update interrupts nothing)."""
+        good: list[Update] = []
         for version, items, done in updates:
             # A caller that gave up waiting (a stopping rollout) dropped its update.
             if not done.set_running_or_notify_cancel():
                 continue
             try:
+                self.engine.check_update(version, items)
+            except BaseException as exc:
+                done.set_exception(exc)
+            else:
+                good.append((version, items, done))
+        if not good:
+            return
+        paused = list(self._running.values())
+        self._abort(paused)
+        loaded = 0
+        for version, items, done in good:
+            try:
                 self.engine.apply_weights(version, items)
             except BaseException as exc:
                 done.set_exception(exc)
             else:
-                self.engine.count_interruption(len(paused))
+                loaded += 1
                 done.set_result(None)
+        self.engine.count_interruption(loaded if paused else 0, len(paused))
         for seq in paused:
             try:
                 self._request(seq)
