@@ -270,7 +270,7 @@ class VLLMEngine(GenerationEngine):
             "resumed_sequences": 0,  # requests aborted by such an update and added again
         }
         self.interruptible = interruptible
-        self._loop = StepLoop(self, interruptible=interruptible)
+        self._loop = StepLoop(self, self._thread_lock, interruptible=interruptible)
 
     @classmethod
     def from_pretrained(

@@ -40,7 +40,7 @@ import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -53,11 +53,36 @@ from relax.engines._base import (
     TokenEvent,
 )
 
-if TYPE_CHECKING:
-    from relax.engines._vllm import VLLMEngine
-
 Update = tuple[int, list[tuple[str, torch.Tensor]], Future[None]]
 """A weight update offered to the loop: its version, its tensors, and whom to tell."""
+
+
+class StepEngine(Protocol):
+    """What the loop needs of its engine (``VLLMEngine``)."""
+
+    @property
+    def version(self) -> int: ...
+
+    def process_lock(self) -> Any:
+        """Held around every call into vLLM."""
+
+    def llm_core(self) -> Any:
+        """vLLM's in-process ``LLMEngine``."""
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        seed: int | None,
+        budget: int,
+    ) -> None: ...
+
+    def check_update(self, version: int, items: list[tuple[str, torch.Tensor]]) -> None: ...
+
+    def apply_weights(self, version: int, items: list[tuple[str, torch.Tensor]]) -> None: ...
+
+    def count_interruption(self, loads: int, resumed: int) -> None: ...
 
 
 @dataclass(eq=False)
@@ -141,8 +166,11 @@ class Call:
 class StepLoop:
     """Runs ``engine``'s vLLM (see the module docstring); built by ``VLLMEngine``."""
 
-    def __init__(self, engine: VLLMEngine, *, interruptible: bool) -> None:
+    def __init__(
+        self, engine: StepEngine, thread_lock: threading.Lock, *, interruptible: bool
+    ) -> None:
         self.engine = engine
+        self._thread_lock = thread_lock  # the engine's: direct loads and close take it too
         self.interruptible = interruptible
         self._lock = threading.Lock()  # guards the queue and ``_looping``
         # Calls and updates in the order they came: a call queued before an update is added
@@ -196,7 +224,7 @@ class StepLoop:
 
     def _run(self) -> None:
         try:
-            with self.engine._thread_lock:
+            with self._thread_lock:
                 while self._turn():
                     pass
         except BaseException as exc:  # a failed step fails every call it held, not the process
