@@ -20,7 +20,7 @@ from typing import Any
 from relax.cluster import Layout, prepare
 from relax.config import ClusterConfig
 from relax.engines import open_engine
-from relax.models import load_tokenizer, stop_token_ids
+from relax.models import OMNI_ARCHS, load_tokenizer, stop_token_ids
 from relax.rewards import RewardSet
 from relax.roles import generate_groups, prompt_row, prompt_stream, sample_rows, score_rows
 from relax.schema import LOGPROBS, PROMPT_IDS, RESPONSE_IDS, REWARD
@@ -36,7 +36,7 @@ async def run_sync(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Lay
         raise NotImplementedError(
             "the synchronous runner plays single replies only; run agent kinds as a cluster"
         )
-    if cfg.model.init is not None and cfg.model.init.arch == "qwen2_5_omni":
+    if cfg.model.init is not None and cfg.model.init.arch in OMNI_ARCHS:
         raise NotImplementedError("the synchronous runner has no media path yet; run a cluster")
     layout = prepare(cfg, run_dir)
     tokenizer = load_tokenizer(layout.model_dir)

@@ -37,6 +37,7 @@ from relax.config._errors import problems_from
 from relax.config._locate import key_lines, locate
 from relax.config._models import (
     MIN_SECRET_LENGTH,
+    MOE_ARCHS,
     AlgorithmConfig,
     BusConfig,
     CheckpointConfig,
@@ -237,12 +238,13 @@ class ClusterConfig(ConfigModel):
                 'use rollout.engine = "hf", or routing_replay = false',
             )
         init = self.model.init
-        if trainer.routing_replay and init is not None and init.arch != "qwen3_moe":
+        if trainer.routing_replay and init is not None and init.arch not in MOE_ARCHS:
             problems.add(
                 ("trainer", "routing_replay"),
                 f"routing replay (R3) needs a mixture-of-experts model, but model.init.arch is"
                 f" {show(init.arch)}",
-                'set model.init.arch = "qwen3_moe", or routing_replay = false',
+                'set model.init.arch = "qwen3_moe" (or "qwen3_omni_moe"), or routing_replay ='
+                " false",
             )
         needed = data.max_prompt_tokens + self.rollout.max_new_tokens
         if init is not None and init.max_position_embeddings < needed:

@@ -255,11 +255,15 @@ class WeightsConfig(ConfigModel):
 # --------------------------------------------------------------------------- [model]
 
 
+MOE_ARCHS = ("qwen3_moe", "qwen3_omni_moe")
+"""The ``[model.init] arch`` values whose decoder is a mixture of experts."""
+
+
 class ModelInitConfig(ConfigModel):
     """``[model.init]``: a small randomly initialised model, built on the spot (no download)."""
 
-    arch: Literal["qwen2", "llama", "qwen3_moe", "qwen2_5_omni"] = "qwen2"
-    """Architecture: "qwen2" or "llama" (dense text), "qwen3_moe" (a Qwen3-MoE mixture of experts: every block's MLP is `num_experts` experts, `num_experts_per_tok` of them per token), or "qwen2_5_omni" (a Qwen2.5-Omni thinker: text decoder of these sizes plus tiny vision and audio towers, with an offline processor for images, audio and video)."""
+    arch: Literal["qwen2", "llama", "qwen3_moe", "qwen2_5_omni", "qwen3_omni_moe"] = "qwen2"
+    """Architecture: "qwen2" or "llama" (dense text), "qwen3_moe" (a Qwen3-MoE mixture of experts: every block's MLP is `num_experts` experts, `num_experts_per_tok` of them per token), "qwen2_5_omni" (a Qwen2.5-Omni thinker: text decoder of these sizes plus tiny vision and audio towers, with an offline processor for images, audio and video), or "qwen3_omni_moe" (a Qwen3-Omni-MoE thinker: the same towers and processor, and a mixture-of-experts text decoder whose experts are set as for "qwen3_moe")."""
     hidden_size: PositiveInt = 64
     """Width of the hidden state; a multiple of `num_heads`."""
     num_layers: PositiveInt = 2
@@ -277,11 +281,11 @@ class ModelInitConfig(ConfigModel):
     seed: int = 0
     """Seed of the random initial weights."""
     num_experts: PositiveInt = 8
-    """Experts per MoE block ("qwen3_moe" only)."""
+    """Experts per MoE block ("qwen3_moe" and "qwen3_omni_moe" only)."""
     num_experts_per_tok: PositiveInt = 2
-    """Experts each token is routed to, the router's top-k ("qwen3_moe" only)."""
+    """Experts each token is routed to, the router's top-k ("qwen3_moe" and "qwen3_omni_moe" only)."""
     moe_intermediate_size: PositiveInt | None = None
-    """Width of each expert's hidden layer ("qwen3_moe" only); unset: `intermediate_size`."""
+    """Width of each expert's hidden layer ("qwen3_moe" and "qwen3_omni_moe" only); unset: `intermediate_size`."""
 
     @model_validator(mode="after")
     def _shapes_fit(self) -> ModelInitConfig:

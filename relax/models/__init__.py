@@ -64,6 +64,7 @@ from relax.models._multimodal import (
     uses_mrope,
 )
 from relax.models._omni import (
+    OMNI_ARCHS,
     OMNI_TOKENS,
     build_omni_tokenizer,
     build_tiny_omni_model,
@@ -91,6 +92,7 @@ from relax.models._video_processor import (
 __all__ = [
     "BYTE_TOKENIZER",
     "CHAT_TEMPLATE",
+    "OMNI_ARCHS",
     "OMNI_TOKENS",
     "SPECIAL_TOKENS",
     "EngineError",

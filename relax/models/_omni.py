@@ -3,7 +3,13 @@
 ``build_tiny_model(ModelInitConfig(arch="qwen2_5_omni", ...), folder)`` (→ ``build_tiny_omni``)
 saves a Qwen2.5-Omni *thinker* (``Qwen2_5OmniThinkerForConditionalGeneration``: vision tower,
 audio tower, text decoder; no talker / speech output) with one vision block and one audio layer
-(``TOWER_WIDTH`` wide) and a text decoder sized by ``[model.init]``, next to its processor:
+(``TOWER_WIDTH`` wide) and a text decoder sized by ``[model.init]``, next to its processor.
+``arch="qwen3_omni_moe"`` saves a Qwen3-Omni-MoE thinker instead
+(``Qwen3OmniMoeThinkerForConditionalGeneration``): the same tiny towers (the vision one with
+Qwen3's 16-pixel patches and one deepstack layer) and a mixture-of-experts text decoder
+(``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size`` of ``[model.init]``; every
+layer sparse), whose routers R3 records and replays like any other (``relax.models._moe``).
+The parts, for both:
 
 - tokenizer: the byte tokenizer (``relax.models._tokenizers.build_byte_tokenizer``) plus the seven
   Qwen2.5-Omni media tokens (ids 261-267), named on the tokenizer as the processor expects
@@ -35,6 +41,9 @@ from transformers import (
     Qwen2_5OmniThinkerConfig,
     Qwen2_5OmniThinkerForConditionalGeneration,
     Qwen2VLImageProcessorPil,
+    Qwen3OmniMoeProcessor,
+    Qwen3OmniMoeThinkerConfig,
+    Qwen3OmniMoeThinkerForConditionalGeneration,
     WhisperFeatureExtractor,
 )
 
@@ -47,6 +56,7 @@ from relax.models._video_processor import (
 )
 
 __all__ = [
+    "OMNI_ARCHS",
     "OMNI_AUDIO_SECONDS",
     "OMNI_CHAT_TEMPLATE",
     "OMNI_TOKENS",
@@ -125,25 +135,28 @@ def omni_processor(
     video_pixels: tuple[int, int] = VIDEO_PIXELS,
     audio_seconds: int = 4,
     sample_rate: int = 16_000,
-) -> Qwen2_5OmniProcessor:
-    """A ``Qwen2_5OmniProcessor`` built from its parts with explicit arguments (no torchvision).
+    arch: str = "qwen2_5_omni",
+) -> Any:
+    """A ``Qwen2_5OmniProcessor`` (``arch="qwen3_omni_moe"``: a ``Qwen3OmniMoeProcessor``,
+    16-pixel patches) built from its parts with explicit arguments (no torchvision).
 
     ``audio_seconds`` is the Whisper window every clip is padded (or cut) to: set it to at least
     ``MediaLimits.max_audio_seconds``.
     """
+    patch = PATCH_SIZES[arch]
     enable_video_without_torchvision()
     tokenizer = tokenizer if tokenizer is not None else build_omni_tokenizer()
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=image_pixels[0],
         max_pixels=image_pixels[1],
-        patch_size=14,
+        patch_size=patch,
         temporal_patch_size=2,
         merge_size=2,
     )
     video_processor = NumpyQwen2VLVideoProcessor(
         min_pixels=video_pixels[0],
         max_pixels=video_pixels[1],
-        patch_size=14,
+        patch_size=patch,
         temporal_patch_size=2,
         merge_size=2,
     )
@@ -155,7 +168,8 @@ def omni_processor(
         n_fft=400,
         return_attention_mask=True,
     )
-    return Qwen2_5OmniProcessor(
+    processor_class = Qwen3OmniMoeProcessor if arch == "qwen3_omni_moe" else Qwen2_5OmniProcessor
+    return processor_class(
         image_processor=image_processor,
         video_processor=video_processor,
         feature_extractor=feature_extractor,
@@ -169,18 +183,23 @@ OMNI_AUDIO_SECONDS = 30
 with a real Qwen2.5-Omni checkpoint (``MediaConfig.max_audio_seconds``' default). Padding costs
 only feature-extraction time: the audio tower reads the unmasked frames alone."""
 
+PATCH_SIZES = {"qwen2_5_omni": 14, "qwen3_omni_moe": 16}
+"""Vision patch size (pixels) per omni architecture, as their real checkpoints have it."""
+
+OMNI_ARCHS = tuple(PATCH_SIZES)
+"""The ``[model.init] arch`` values that build an omni thinker and its processor."""
+
 TOWER_WIDTH = 64
 """Width of the tiny vision and audio towers, whatever the decoder's ``hidden_size`` (their
 outputs are projected to it)."""
 
 
-def tiny_omni_config(
-    tokenizer: PreTrainedTokenizerBase, init: ModelInitConfig
-) -> Qwen2_5OmniThinkerConfig:
+def tiny_omni_config(tokenizer: PreTrainedTokenizerBase, init: ModelInitConfig) -> Any:
     """The thinker config: 1 vision block and 1 audio layer (``TOWER_WIDTH`` wide), and a text
     decoder sized by ``init`` (``hidden_size``, ``num_layers``, ``num_heads``,
-    ``num_kv_heads``, ``intermediate_size``, ``max_position_embeddings``). The vocabulary is
-    the tokenizer's (``init.vocab_size`` does not apply)."""
+    ``num_kv_heads``, ``intermediate_size``, ``max_position_embeddings``; for
+    "qwen3_omni_moe" also its experts). The vocabulary is the tokenizer's (``init.vocab_size``
+    does not apply)."""
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in OMNI_TOKENS.items()}
     head_dim = init.hidden_size // init.num_heads
     if head_dim % 2 or head_dim < 6:
@@ -189,7 +208,7 @@ def tiny_omni_config(
                 ConfigIssue(
                     "model.init.hidden_size",
                     f"gives attention heads of {head_dim} dimensions (hidden_size /"
-                    f" num_heads); qwen2_5_omni's 3-D rotary positions need an even head size"
+                    f" num_heads); {init.arch}'s 3-D rotary positions need an even head size"
                     " of at least 6",
                 )
             ]
@@ -198,47 +217,45 @@ def tiny_omni_config(
     half = head_dim // 2
     mrope = [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]
     width = TOWER_WIDTH
+    audio = {
+        "num_mel_bins": 128,
+        "encoder_layers": 1,
+        "encoder_attention_heads": 2,
+        "encoder_ffn_dim": 2 * width,
+        "d_model": width,
+        "output_dim": init.hidden_size,
+        "max_source_positions": 1500,
+    }
+    vision = {
+        "depth": 1,
+        "hidden_size": width,
+        "intermediate_size": 2 * width,
+        "num_heads": 2,
+        "patch_size": PATCH_SIZES[init.arch],
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": init.hidden_size,
+    }
+    text = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": init.hidden_size,
+        "intermediate_size": init.intermediate_size,
+        "num_hidden_layers": init.num_layers,
+        "num_attention_heads": init.num_heads,
+        "num_key_value_heads": init.num_kv_heads,
+        "max_position_embeddings": init.max_position_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope},
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "tie_word_embeddings": False,
+    }
+    if init.arch == "qwen3_omni_moe":
+        return _qwen3_omni_moe_config(init, ids, audio, vision, text)
     return Qwen2_5OmniThinkerConfig(
-        audio_config={
-            "num_mel_bins": 128,
-            "encoder_layers": 1,
-            "encoder_attention_heads": 2,
-            "encoder_ffn_dim": 2 * width,
-            "d_model": width,
-            "output_dim": init.hidden_size,
-            "n_window": 100,
-            "max_source_positions": 1500,
-        },
-        vision_config={
-            "depth": 1,
-            "hidden_size": width,
-            "intermediate_size": 2 * width,
-            "num_heads": 2,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "window_size": 112,
-            "out_hidden_size": init.hidden_size,
-            "fullatt_block_indexes": [0],
-        },
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": init.hidden_size,
-            "intermediate_size": init.intermediate_size,
-            "num_hidden_layers": init.num_layers,
-            "num_attention_heads": init.num_heads,
-            "num_key_value_heads": init.num_kv_heads,
-            "max_position_embeddings": init.max_position_embeddings,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": mrope,
-            },
-            "pad_token_id": tokenizer.pad_token_id,
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "tie_word_embeddings": False,
-        },
+        audio_config={**audio, "n_window": 100},
+        vision_config={**vision, "window_size": 112, "fullatt_block_indexes": [0]},
+        text_config=text,
         audio_token_index=ids["audio_token"],
         image_token_index=ids["image_token"],
         video_token_index=ids["video_token"],
@@ -248,6 +265,43 @@ def tiny_omni_config(
         vision_start_token_id=ids["vision_bos_token"],
         vision_end_token_id=ids["vision_eos_token"],
         user_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),  # unused by the thinker
+        tie_word_embeddings=False,
+    )
+
+
+def _qwen3_omni_moe_config(
+    init: ModelInitConfig,
+    ids: dict[str, int],
+    audio: dict[str, Any],
+    vision: dict[str, Any],
+    text: dict[str, Any],
+) -> Qwen3OmniMoeThinkerConfig:
+    """The Qwen3-Omni-MoE thinker's config from the towers' and decoder's shared settings
+    (see ``tiny_omni_config``): Qwen3's audio windows and one deepstack vision layer; every
+    decoder layer a sparse MoE block; interleaved M-RoPE, as the real checkpoints."""
+    return Qwen3OmniMoeThinkerConfig(
+        audio_config={
+            **audio,
+            "n_window": 50,
+            "n_window_infer": 800,
+            "conv_chunksize": 500,
+            "downsample_hidden_size": TOWER_WIDTH // 2,
+        },
+        vision_config={**vision, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+        text_config={
+            **text,
+            "moe_intermediate_size": init.moe_intermediate_size or init.intermediate_size,
+            "num_experts": init.num_experts,
+            "num_experts_per_tok": init.num_experts_per_tok,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "rope_parameters": {**text["rope_parameters"], "interleaved": True},
+        },
+        audio_token_id=ids["audio_token"],
+        image_token_id=ids["image_token"],
+        video_token_id=ids["video_token"],
+        audio_start_token_id=ids["audio_bos_token"],
+        vision_start_token_id=ids["vision_bos_token"],
         tie_word_embeddings=False,
     )
 
@@ -267,20 +321,27 @@ def build_tiny_omni(
     init: ModelInitConfig, directory: str | Path, *, audio_seconds: int = OMNI_AUDIO_SECONDS
 ) -> Path:
     """Build the seeded tiny omni thinker of ``init`` and its processor, save both to
-    ``directory`` (``build_tiny_model`` with ``arch = "qwen2_5_omni"``).
+    ``directory`` (``build_tiny_model`` with ``arch = "qwen2_5_omni"`` or ``"qwen3_omni_moe"``).
 
     The generation config's ``suppress_tokens`` lists the media tokens, PAD and BOS: a policy
     never samples them (see ``media_token_ids``). The same ``init`` (seed included) always gives
     the same weights; the global torch RNG is left untouched.
     """
     processor = omni_processor(
-        build_omni_tokenizer(init.max_position_embeddings), audio_seconds=audio_seconds
+        build_omni_tokenizer(init.max_position_embeddings),
+        audio_seconds=audio_seconds,
+        arch=init.arch,
     )
     tokenizer = processor.tokenizer
     config = tiny_omni_config(tokenizer, init)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(init.seed)
-        model = Qwen2_5OmniThinkerForConditionalGeneration(config).to(torch.float32)
+        model_class = (
+            Qwen3OmniMoeThinkerForConditionalGeneration
+            if init.arch == "qwen3_omni_moe"
+            else Qwen2_5OmniThinkerForConditionalGeneration
+        )
+        model = model_class(config).to(torch.float32)
     model.generation_config = GenerationConfig(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,

@@ -23,7 +23,7 @@ from transformers import (
 
 from relax.config import ModelInitConfig
 from relax.errors import ConfigError, ConfigIssue
-from relax.models._omni import build_tiny_omni
+from relax.models._omni import OMNI_ARCHS, build_tiny_omni
 from relax.models._tokenizers import build_byte_tokenizer, check_vocab, stop_token_ids
 
 
@@ -72,14 +72,15 @@ def build_tiny_model(
     ``arch = "qwen2_5_omni"`` builds a Qwen2.5-Omni thinker instead (text decoder of these sizes,
     tiny vision and audio towers; vocabulary = its tokenizer's, ``vocab_size`` unused) and saves
     its processor too (see ``relax.models._omni``); ``load_processor`` loads it.
+    ``arch = "qwen3_omni_moe"`` likewise, a Qwen3-Omni-MoE thinker (MoE text decoder).
     """
-    if init.arch == "qwen2_5_omni":
+    if init.arch in OMNI_ARCHS:
         if tokenizer is not None:
             raise ConfigError(
                 [
                     ConfigIssue(
                         "model.tokenizer",
-                        "cannot be set with model.init.arch = 'qwen2_5_omni', which builds its"
+                        f"cannot be set with model.init.arch = {init.arch!r}, which builds its"
                         " own tokenizer (the byte tokenizer plus the media tokens)",
                     )
                 ]

@@ -33,13 +33,37 @@ vocab_size = 268
 """
 
 
-def omni_cluster(name: str, generator: str, steps: int, extra: str = "") -> str:
+OMNI_MOE = """[model.init]
+arch = "qwen3_omni_moe"
+hidden_size = 64
+num_layers = 2
+num_heads = 4
+num_kv_heads = 2
+intermediate_size = 128
+moe_intermediate_size = 32
+num_experts = 4
+num_experts_per_tok = 2
+vocab_size = 268
+"""
+
+
+def omni_cluster(
+    name: str,
+    generator: str,
+    steps: int,
+    extra: str = "",
+    *,
+    model: str = OMNI,
+    trainer: str = "",
+    staleness: int = 0,
+) -> str:
     return tiny_toml(
         name,
-        staleness=0,
+        staleness=staleness,
         steps=steps,
         max_new_tokens=3,
-        model=OMNI,
+        model=model,
+        trainer=trainer,
         data=f'generator = "{generator}"\nmax_prompt_tokens = 512',
         # About half the random replies start with an ASCII character: rewards vary within
         # groups, so every step has a gradient to check.
@@ -60,11 +84,13 @@ def put_rows(run_dir: Path, bus: str) -> dict[str, dict]:
     return rows
 
 
-def tower_weights(folder: Path) -> dict[str, torch.Tensor]:
+def tower_weights(folder: Path, routers: bool = False) -> dict[str, torch.Tensor]:
+    """The media towers' weights in ``folder`` (and, with ``routers``, the MoE routers')."""
     weights = {}
     for file in sorted(folder.glob("*.safetensors")):
         weights.update(load_file(file))
-    return {k: v for k, v in weights.items() if "audio_tower" in k or "visual" in k}
+    parts = ("audio_tower", "visual", "mlp.gate.") if routers else ("audio_tower", "visual")
+    return {k: v for k, v in weights.items() if any(p in k for p in parts)}
 
 
 async def test_mixed_media_run_trains_on_the_inputs_it_generated_with(tmp_path) -> None:
@@ -113,6 +139,51 @@ async def test_mixed_media_run_trains_on_the_inputs_it_generated_with(tmp_path) 
     assert any("audio_tower" in k for k in moved) and any("visual" in k for k in moved), sorted(
         moved
     )
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+async def test_an_moe_thinker_trains_on_every_modality_with_routing_replay(
+    tmp_path, staleness
+) -> None:
+    """A Qwen3-Omni-MoE thinker (every decoder layer four experts, top-2) through the omni path
+    with R3: every trained row carries the routing its rollout recorded, one record per token
+    of prompt (media placeholders included) and response; the trainer's forward replays it, and
+    its towers and routers learn."""
+    cfg = parse_config(
+        omni_cluster(
+            "omni-moe",
+            "relax.media.recipes:mixed",
+            steps=4,
+            model=OMNI_MOE,
+            trainer="routing_replay = true\nmoe_aux_loss_coef = 0.01",
+            staleness=staleness,
+        )
+    )
+    layout = await cluster.run(cfg, tmp_path / "run")
+    ledger = replay_samples_bus(layout.run_dir)
+    check_exactly_once(ledger)
+    kinds = set()
+    for uid in ledger.trained:
+        cols = ledger.rows[uid]["columns"]
+        tokens = len(cols["prompt_ids"]) + len(cols["response_ids"])
+        routed = torch.tensor(cols["routed_experts"])
+        assert tuple(routed.shape) == (tokens, 2, 2), uid
+        assert (routed[-1] == 4).all() and (routed[:-1] < 4).all(), uid  # last: unrecorded
+        media = cols.get("mm_inputs")
+        kinds.update(mm_from_wire(media) if media is not None else ["text"])
+    assert {"pixel_values", "input_features", "pixel_values_videos", "text"} <= kinds, kinds
+    steps = [s for s in read_metrics(layout.run_dir) if s["applied"]]
+    assert len(steps) == 4
+    assert max(s["staleness_max"] for s in steps) <= staleness
+    for s in steps:
+        assert "router_disagreement" in s and s["moe_aux_loss"] > 0, s
+    if staleness == 0:  # same weights, same inputs, the recorded routes: the sampler's logprobs
+        assert all(s["mismatch_max"] < 1e-4 for s in steps), steps
+    before = tower_weights(layout.model_dir, routers=True)
+    after = tower_weights(sorted((layout.run_dir / "checkpoints").glob("step-*"))[-1], True)
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    for part in ("audio_tower", "visual", "mlp.gate"):
+        assert any(part in k for k in moved), (part, sorted(moved))
 
 
 @pytest.mark.parametrize(
