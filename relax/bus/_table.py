@@ -130,6 +130,16 @@ class BusTable(TableState):
         ops: list[Op] = []
         if len(fresh) < len(rows):
             ops.append({"op": "count", "name": "duplicate_puts", "n": len(rows) - len(fresh)})
+            # A retried prompt whose group was put (and maybe trained) already: the producer
+            # was admitted again, but nothing new arrives to settle that admission. Left
+            # standing it holds room until it expires, and at the run's end, where admission
+            # is capped, the last batch until then (the rollout killed before its prompt ack).
+            settled = {r["group"] for r in rows if r["uid"] not in fresh} - set(arriving)
+            ops += [
+                {"op": "unadmit", "group": g, "reason": "duplicate"}
+                for g in sorted(settled)
+                if g in self.admissions
+            ]
         if fresh:
             ops.append({"op": "put", "rows": list(fresh.values())})
         return self._apply_all(ops)

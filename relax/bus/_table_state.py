@@ -236,7 +236,9 @@ class TableState:
 
     def _apply_unadmit(self, op: UnadmitOp) -> None:
         if self.admissions.pop(op["group"], None) is not None:
-            self.counters["expired_admissions"] += 1
+            # Expired (its producer died), or settled by a put of rows the bus already had.
+            reason = op.get("reason", "expired")
+            self.counters[f"{reason}_admissions"] += 1
 
     def _apply_version(self, op: VersionOp) -> None:
         self.version = max(self.version, op["version"])

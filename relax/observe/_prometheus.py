@@ -87,6 +87,7 @@ _BUS_COUNTERS = (
     "skipped_steps",
     "expired_leases",
     "expired_admissions",
+    "duplicate_admissions",
     "dropped_stale",
     "dropped_oversized",
     "dropped_with_group",

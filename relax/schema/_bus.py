@@ -137,6 +137,9 @@ class AdmitOp(TypedDict):
 class UnadmitOp(TypedDict):
     op: Literal["unadmit"]
     group: str
+    reason: NotRequired[Literal["expired", "duplicate"]]
+    """Absent (older logs) or "expired": the deadline passed; "duplicate": the group's rows
+    were put again when the bus had them already."""
 
 
 class VersionOp(TypedDict):

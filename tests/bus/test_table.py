@@ -241,6 +241,39 @@ def test_admission_is_bounded_by_capacity_when_fully_async() -> None:
     assert t.admitted_rows() == 0
 
 
+def test_a_retried_group_already_trained_does_not_hold_the_last_batch() -> None:
+    """A rollout puts a group, is SIGKILLed before it acks the prompt, and its successor
+    generates the prompt again: admitted again (the group left the bus when trained), its put
+    is all duplicates. That admission must be settled by the put: at the run's end, where
+    admission is capped, it held the last batch until it expired (CI: 80 s, the test's
+    timeout)."""
+    t = table(tasks=("train",), staleness=1, batch_size=2, capacity=100, end_version=2)
+    log = []
+    for g in ("a", "b"):
+        log += t.admit(g, 1, version=0, now=0, timeout=120)[0]
+        log += t.put(rows(g, 1))
+    ops, lease = t.take("train", batch_size=2, now=0)
+    log += ops + t.commit_weights(1, "p1", task="train", items=list(lease.items.items()))
+    assert "a" not in t.groups and "a-0" in t.finished
+    # The successor's retry of "a": admitted anew, put again, every row a duplicate.
+    log += t.admit("a", 1, version=1, now=1, timeout=120)[0]
+    assert t.admitted_rows() == 1
+    put = t.put(rows("a", 1))
+    assert {"op": "unadmit", "group": "a", "reason": "duplicate"} in put
+    log += put
+    assert t.admitted_rows() == 0 and t.counters["duplicate_admissions"] == 1
+    # The last batch's two groups are admitted at once, not after the deadline.
+    for g in ("c", "d"):
+        ops, verdict = t.admit(g, 1, version=1, now=1, timeout=120)
+        assert verdict == "ok"
+        log += ops
+    assert t.admit("e", 1, version=1, now=1, timeout=120)[1] == "ahead"  # past the end
+    replica = table(tasks=("train",), staleness=1, batch_size=2, capacity=100, end_version=2)
+    for op in log:
+        replica.apply(op)
+    assert replica.statistics() == t.statistics()  # the settling op replays
+
+
 def test_unknown_task_is_refused() -> None:
     with pytest.raises(UnknownTask):
         table().take("nope", batch_size=1)

@@ -43,7 +43,6 @@ SEED = 20261130
 ROLES = ("rollout-0", "reward-0", "trainer")
 
 
-@pytest.mark.timeout(300)
 @contextlib.contextmanager
 def _hang_explained(log_file: Path) -> Iterator[None]:
     """A run that does not end fails with where its children hung: a child that does not stop
@@ -55,6 +54,7 @@ def _hang_explained(log_file: Path) -> Iterator[None]:
         raise AssertionError(f"the run did not end; the end of its log:\n{text}") from None
 
 
+@pytest.mark.timeout(300)
 async def test_roles_sigkilled_mid_run_lose_nothing_and_train_nothing_twice(tmp_path) -> None:
     overrides = [
         'rollout.placement="process"',
