@@ -371,12 +371,10 @@ class VLLMEngine(GenerationEngine):
         if not call.prompts:
             return []
         emit, finished = thread_callbacks(call)
-        started = time.perf_counter()
         queued = Call(
             _jobs(call.prompts, call.params, call.seeds), call.params, emit=emit, finished=finished
         )
-        self._loop.submit(queued)
-        self._stats["requests"] += 1
+        started = self._submit(queued)
         gens = await self._loop.wait(queued)
         self._count(gens, started)
         return gens
@@ -497,12 +495,16 @@ class VLLMEngine(GenerationEngine):
 
     def _run_sync(self, call: Call) -> list[Generation]:
         """Queue ``call`` from outside any event loop (``regenerate``) and wait for it."""
-        started = time.perf_counter()
-        self._loop.submit(call)
-        self._stats["requests"] += 1
+        started = self._submit(call)
         gens = call.future.result()
         self._count(gens, started)
         return gens
+
+    def _submit(self, call: Call) -> float:
+        """Queue ``call`` on the step loop; returns when (``perf_counter``), for ``_count``."""
+        self._loop.submit(call)
+        self._stats["requests"] += 1
+        return time.perf_counter()
 
     def _count(self, gens: list[Generation], started: float) -> None:
         self._stats["sequences"] += len(gens)

@@ -5,9 +5,9 @@ between two engine steps (partial rollouts).
 call waits for the whole first one, and a weight update for both. This loop instead owns the
 engine's stepping (``LLMEngine.add_request`` / ``step`` / ``abort_request``, in-process):
 
-- **Continuous batching.** Calls are queued on an inbox; the loop adds their requests at the
-  next step, so a call that arrives while another decodes starts within one step, and vLLM's
-  scheduler fills every slot that frees. A thread runs the loop while there is work and ends
+- **Continuous batching.** Calls queue with weight updates, in the order they came; the loop
+  adds a call's requests at the next step, so a call that arrives while another decodes starts
+  within one step, and vLLM's scheduler fills every slot that frees. A thread runs the loop while there is work and ends
   when there is none (no idle thread, nothing to stop).
 - **Every token as it comes.** Requests report ``DELTA`` outputs, so each step's new tokens
   reach the caller (``on_token``), and each finished sequence is reported the moment it ends
@@ -268,8 +268,7 @@ class StepLoop:
             for seq in call.sequences:
                 self._request(seq)
         except BaseException as exc:
-            self._abort([s for s in self._running.values() if s.call is call])
-            call.fail(exc)
+            self._fail_call(call, exc)
 
     def _request(self, seq: _Sequence) -> None:
         """Add ``seq``'s next segment: its prompt plus what it generated, for what is left."""
@@ -314,8 +313,7 @@ class StepLoop:
                 call.emit(batch)  # a step's tokens reach the caller before its ends do
         for seq, reason in ended:
             if reason not in ("stop", "length"):
-                self._abort([s for s in self._running.values() if s.call is seq.call])
-                seq.call.fail(EngineError(f"vLLM ended a response with {reason!r}"))
+                self._fail_call(seq.call, EngineError(f"vLLM ended a response with {reason!r}"))
             elif not seq.call.future.done():
                 seq.call.done(seq)
 
@@ -351,11 +349,16 @@ class StepLoop:
             try:
                 self._request(seq)
             except BaseException as exc:
-                self._abort([s for s in self._running.values() if s.call is seq.call])
-                seq.call.fail(exc)
+                self._fail_call(seq.call, exc)
+
+    def _fail_call(self, call: Call, exc: BaseException) -> None:
+        """``call`` fails with ``exc``: what it still runs is aborted."""
+        self._abort([s for s in self._running.values() if s.call is call])
+        call.fail(exc)
 
     def _abort(self, seqs: list[_Sequence]) -> None:
-        ids = [rid for rid, s in self._running.items() if s in seqs]
+        gone = set(seqs)  # by identity (eq=False)
+        ids = [rid for rid, s in self._running.items() if s in gone]
         if ids:
             with self.engine.process_lock():
                 self.engine.llm_core().abort_request(ids)
