@@ -42,6 +42,10 @@ from relax.log import ENV_LOG_DIR, child_log_dir, get_logger
 
 log = get_logger("relax.actors")
 
+ORPHAN_GRACE = 60.0
+"""Seconds a child whose watcher was cancelled (its supervisor's event loop torn down) is
+given to be stopped by the tree's teardown before it is killed."""
+
 ENV_SYS_PATH = "RELAX_SYS_PATH"
 """The parent's ``sys.path``, which a child appends (missing entries only) to its own."""
 
@@ -228,6 +232,17 @@ class ProcessMember:
     # ------------------------------------------------------------------ watching
 
     async def _read(self) -> None:
+        # Like the watcher, the reader outlives a cancel from outside while the child runs:
+        # a child that stops says its last word and waits for our "bye" before it exits.
+        while True:
+            try:
+                return await self._read_messages()
+            except asyncio.CancelledError:
+                if self.done.done():  # _finish: the child has ended
+                    raise
+                _uncancel()
+
+    async def _read_messages(self) -> None:
         assert self._channel is not None
         while True:
             try:
@@ -293,7 +308,28 @@ class ProcessMember:
         return Exit.from_returncode(await self._proc.wait())
 
     async def _watch_process(self) -> None:
-        by_process = await self._process_end()
+        try:
+            by_process = await self._process_end()
+        except asyncio.CancelledError:
+            # Only this task sees the process end, and every stop waits on ``done``: when
+            # the loop is torn down under us (an exception escaped ``asyncio.run``, whose
+            # ``_cancel_all_tasks`` cancels every task at once), the tree's teardown still
+            # runs and waits here. So keep watching until the process ends; the teardown
+            # stops it in order, and one nobody stops within ``ORPHAN_GRACE`` is killed.
+            _uncancel()
+            self._finish(await self._end_after_cancel())
+            raise
+        self._finish(by_process)
+
+    async def _end_after_cancel(self) -> Exit:
+        end = asyncio.ensure_future(self._process_end())
+        with contextlib.suppress(asyncio.TimeoutError):
+            return await asyncio.wait_for(asyncio.shield(end), ORPHAN_GRACE)
+        self.kill(f"its watcher was cancelled and nothing stopped it within {ORPHAN_GRACE}s")
+        return await end
+
+    def _finish(self, by_process: Exit) -> None:
+        """The process has ended: settle ``done`` and fail every pending call."""
         exit_ = self._cause or by_process
         if self._cause is not None and by_process.signal and not exit_.signal:
             exit_ = Exit(
@@ -394,3 +430,11 @@ class ProcessMember:
 
     def statistics(self) -> dict[str, Any]:
         return {**self._stats, "pending_calls": len(self._pending), "address": self._address}
+
+
+def _uncancel() -> None:
+    """Take back the current task's cancellation request (3.11+): a task that goes on after a
+    cancel must, or ``TaskGroup`` and ``asyncio.timeout`` take it for one still cancelled."""
+    uncancel = getattr(asyncio.current_task(), "uncancel", None)
+    if uncancel is not None:
+        uncancel()

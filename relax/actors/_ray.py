@@ -362,7 +362,8 @@ class RayMember(ProcessMember):
 
     async def _process_end(self) -> Exit:
         try:
-            exit_ = Exit.from_returncode(await self._ended)
+            # Shielded: a watcher cancelled with its loop watches again (ProcessMember).
+            exit_ = Exit.from_returncode(await asyncio.shield(self._ended))
         except Exception as exc:
             exit_ = await _ray_exit(exc, self._where.get("node_id"))
         try:

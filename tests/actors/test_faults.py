@@ -47,6 +47,39 @@ def test_sigkill_of_the_supervisor_leaves_no_orphans() -> None:
         proc.wait()
 
 
+def test_a_loop_torn_down_under_the_tree_still_stops_every_child_in_order() -> None:
+    # An exception raised out of the event loop makes asyncio.run cancel every task at once:
+    # each child's watcher and reader too, while the tree's teardown waits on them. The tree
+    # must still stop each child (asked, not killed) and the process end; it used to hang.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.actors.tree_main", "--raise-on-sigusr1"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        pids = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        children = pids["children"]
+        assert len(children) == 4 and all(pid_alive(p) for p in children)
+        os.kill(pids["supervisor"], signal.SIGUSR1)
+        _, err = proc.communicate(timeout=30)
+        assert "Raised: raised by a signal handler" in err and proc.returncode == 1
+        stops = [json.loads(line) for line in err.splitlines() if '"child stopped"' in line]
+        assert [(s["supervisor"], s["child"]) for s in stops] == [
+            ("sub", "b"),
+            ("root", "sub"),
+            ("root", "g"),
+            ("root", "a"),
+        ]
+        assert {s["how"] for s in stops} == {"stopped by its supervisor"}
+        assert not [p for p in children if pid_alive(p)]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.anyio
 async def test_crash_loop_in_a_process_escalates_and_stops_the_tree_in_reverse(events_file) -> None:
     ev = {"events": events_file}
