@@ -537,3 +537,28 @@ async def test_a_gang_leader_asked_for_its_port_before_its_spawn_waits_for_it(
     finally:
         leader._proc.kill()
         await leader._proc.wait()
+
+
+def _raise_system_exit() -> None:
+    raise SystemExit(3)
+
+
+@slow
+def test_a_loop_torn_down_under_the_tree_still_stops_its_ray_child(cluster) -> None:
+    # As the process case in tests/actors/test_faults.py: a SystemExit raised by a callback
+    # escapes asyncio.run, which then cancels every task at once, the Ray member's watcher
+    # with the teardown that waits on it. The child must still be asked to stop, not hang.
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with Supervisor([ChildSpec("r", Echo, placement=Ray(num_cpus=0.5))]) as sup:
+            seen["pid"], seen["sup"] = await sup.ref("r").call("pid"), sup
+            asyncio.get_running_loop().call_soon(_raise_system_exit)
+            await sup.wait()
+
+    with pytest.raises(SystemExit):
+        asyncio.run(main())
+    child = seen["sup"]._by_id["r"]
+    assert child.last_exit is not None and child.last_exit.kind == "shutdown"
+    assert child.last_exit.signal is None  # asked to stop, not killed
+    assert not pid_alive(seen["pid"])
