@@ -12,15 +12,19 @@ calls the very same verifier object as a reward function).
   like Relax), in a child process, once with each of ``--trl-threads`` torch thread counts
   (default 1 and 2); the faster median is the baseline. (At this size a second intra-op thread
   buys little, and on a busy machine OpenMP's spinning threads can make it ten times slower.)
-- Relax: real ``relax.cluster.run`` clusters at staleness 0 and "inf", rollout and trainer each
-  in their own process with ``--relax-threads`` torch threads each (default 1: one core each).
+- Relax: real ``relax.cluster.run`` clusters, rollout and trainer in their own processes:
+  at "inf" one of each with ``--relax-threads`` torch threads (default 1: a core each, both
+  busy at once); at staleness 0, where generation and training take turns, each phase on both
+  cores (``BOTH_CORES``: two rollout processes of one thread, a trainer of two), and, for
+  comparison, one rollout and one trainer process with ``--relax-threads`` each (``0, 1 rollout``).
 
 Time per step is measured after start-up on both sides: from the ``--warmup``-th optimiser
 step to the last (TRL: a ``TrainerCallback.on_step_end`` clock; Relax: when each
 ``metrics.jsonl`` line appears). Configurations are repeated ``--rounds`` times, interleaved
 (the order rotates each round), and medians compared. The last lines are machine-readable:
 ``sync_vs_trl = trl / relax staleness 0`` and ``async_vs_trl = trl / relax staleness inf``
-(time per step; above 1 means Relax is faster).
+(time per step; above 1 means Relax is faster), after ``sync_one_rollout_vs_trl`` (the
+one-rollout layout at staleness 0).
 
 Setup, once (TRL must not go into the main venv; ``.venv-bench`` is its own):
 
@@ -66,8 +70,24 @@ from bench._common import (
 EXACT_MATCH = ('reward.functions=[{name = "correct", kind = "exact_match"}]',)
 
 
-def relax_config(staleness: str, steps: int, scale: str) -> object:
-    return recipe(staleness, steps, scale, EXACT_MATCH)
+# At staleness 0 generation and training take turns, so each phase may have both cores (TRL's
+# fastest run has two threads too): two rollout processes generate half a step each (two of
+# the four prompts, one thread each), then the trainer steps on two threads. Bit-identical to
+# `relax up --sync` all the same (tests/e2e/test_sync.py runs this layout).
+BOTH_CORES = (
+    "rollout.replicas=2",
+    "rollout.batch_size=2",
+    "rollout.threads=1",
+    "trainer.threads=2",
+)
+
+
+def relax_config(name: str, steps: int, scale: str) -> object:
+    """``relax-0`` (staleness 0, both cores in each phase), ``relax-0-1r`` (staleness 0, one
+    rollout and one trainer process on a core each) or ``relax-inf``."""
+    staleness = name.split("-")[1]
+    layout = BOTH_CORES if name == "relax-0" else ()
+    return recipe(staleness, steps, scale, EXACT_MATCH + layout)
 
 
 # --------------------------------------------------------------------------- TRL (child process)
@@ -88,7 +108,7 @@ def trl_worker(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     quiet()
-    cfg = relax_config("0", spec["steps"], spec["scale"])
+    cfg = relax_config("relax-inf", spec["steps"], spec["scale"])
     n = cfg.data.n_samples_per_prompt
     prompts_per_step = cfg.trainer.global_batch_size // n
     work = Path(spec["dir"])
@@ -188,7 +208,7 @@ async def main(args: argparse.Namespace) -> None:
     quiet()
     total = args.warmup + args.steps + 1
     trls = [f"trl-{t}t" for t in args.trl_threads]
-    configs = (*trls, "relax-0", "relax-inf")
+    configs = (*trls, "relax-0", "relax-0-1r", "relax-inf")
     runs: dict[str, list[Run]] = {c: [] for c in configs}
     clock = time.monotonic()
     print(f"load average before: {load_average()}", flush=True)
@@ -199,7 +219,7 @@ async def main(args: argparse.Namespace) -> None:
                 threads = int(name[4:-1])
                 run = await asyncio.to_thread(trl_run, total, args.scale, threads)
             else:
-                run = await timed_run(relax_config(name.split("-")[1], total, args.scale))
+                run = await timed_run(relax_config(name, total, args.scale))
             runs[name].append(run)
             print(
                 f"round {r + 1}/{args.rounds} {name:>9}: "
@@ -225,19 +245,22 @@ async def main(args: argparse.Namespace) -> None:
         f"\ndigits/{args.scale}{scale}; 4 prompts x 8 samples per step, exact-match reward;"
         f" median of {args.rounds} runs, {args.steps} timed steps each; Relax"
         f" {args.relax_threads} thread(s) in each of the rollout and trainer processes"
+        " (staleness 0: two 1-thread rollouts, a 2-thread trainer)"
     )
-    labels = {"relax-0": "Relax staleness 0", "relax-inf": "Relax inf"}
+    labels = {"relax-0": "Relax staleness 0", "relax-0-1r": "Relax 0, 1 rollout"}
+    labels["relax-inf"] = "Relax inf"
     labels |= {c: f"TRL, {c[4:-1]} thread(s)" for c in trls}
     for c in configs:
         print(
             f"{labels[c]:<18} {per[c] * 1e3:7.1f} ms/step  runs {every[c]}  "
             f"reward (last quarter) {reward(c):.3f}" + ("  <- TRL baseline" if c == best else "")
         )
-    for c in ("relax-0", "relax-inf"):  # the trainer's own phases, so the next cost shows
+    for c in ("relax-0", "relax-0-1r", "relax-inf"):  # the trainer's phases: the next cost
         print(f"{labels[c]:<18} {phase_line(runs[c], args.warmup)}")
     print(f"trl_ms_per_step = {per[best] * 1e3:.1f}")
     print(f"relax_s0_ms_per_step = {per['relax-0'] * 1e3:.1f}")
     print(f"relax_inf_ms_per_step = {per['relax-inf'] * 1e3:.1f}")
+    print(f"sync_one_rollout_vs_trl = {per[best] / per['relax-0-1r']:.3f}")
     print(f"sync_vs_trl = {per[best] / per['relax-0']:.3f}")
     print(f"async_vs_trl = {per[best] / per['relax-inf']:.3f}")
 

@@ -290,6 +290,10 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
     ) -> ChildSpec:
         return _role_spec(cfg, child_id, cls, role_cfg, restart=restart, **shared, **kwargs)
 
+    def replica(name: str, i: int, cls: type, role_cfg: Any, **kwargs: Any) -> ChildSpec:
+        # A role's replicas wait for none of each other: they start at once (a start group).
+        return role(f"{name}-{i}", cls, role_cfg, start_group=name, **kwargs)
+
     children = [
         ChildSpec("prompts", BusService, kwargs=prompts_bus, placement=in_process),
         ChildSpec("samples", BusService, kwargs=samples_bus, placement=in_process),
@@ -300,15 +304,15 @@ def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:
             else []
         ),
         *(
-            role(f"reward-{i}", RewardRole, cfg.reward, **samples_at)
+            replica("reward", i, RewardRole, cfg.reward, **samples_at)
             for i in range(cfg.reward.replicas if scored_by_reward_role(cfg) else 0)
         ),
         *(
-            role(f"reference-{i}", ReferenceRole, cfg.reference, **samples_at)
+            replica("reference", i, ReferenceRole, cfg.reference, **samples_at)
             for i in range(cfg.reference.replicas if cfg.reference.enabled else 0)
         ),
         *(
-            role(f"critic-{i}", CriticRole, cfg.critic, **samples_at, **run_dir)
+            replica("critic", i, CriticRole, cfg.critic, **samples_at, **run_dir)
             for i in range(cfg.critic.replicas if cfg.critic.enabled else 0)
         ),
         # The trainer is transient: finishing its steps is a normal end, which ends the run.
@@ -351,6 +355,7 @@ def _role_spec(
     role_cfg: Any,
     *,
     restart: str | None,
+    start_group: str | None = None,
     **kwargs: Any,
 ) -> ChildSpec:
     return ChildSpec(
@@ -361,6 +366,7 @@ def _role_spec(
         restart=Restart(restart or role_cfg.restart),
         shutdown=cfg.shutdown_for(role_cfg),
         gang=role_cfg.gang,
+        start_group=start_group,
     )
 
 
@@ -375,6 +381,7 @@ def rollout_spec(
         RolloutRole,
         cfg.rollout,
         restart=None,
+        start_group="rollout",  # the replicas start at once
         config=plain if plain is not None else plain_config(cfg),
         model_dir=str(layout.model_dir),
         prompts_url=layout.prompts_url,

@@ -67,6 +67,11 @@ class ChildSpec:
     placement: Placement = field(default_factory=InProc)
     gang: int = 1
     """Members that start, stop and restart as a unit (e.g. the ranks of a trainer)."""
+    start_group: str | None = None
+    """Neighbours in the child list with the same ``start_group`` start at once, as one step of
+    the start order (the replicas of a role: none waits for another, so N of them start in one
+    start's time, not N). If one fails, the whole group and everything before it stop, as in a
+    failed start of a single child. The stop order stays the reverse of the list."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not _ID.match(self.id):
@@ -258,23 +263,28 @@ class Supervisor(Actor):
 
     async def on_start(self) -> None:
         started: list[_Child] = []
-        for child in self._children:
-            try:
-                await self._start(child)
-            except StartFailed as exc:
-                log.error(
-                    "child failed to start",
-                    supervisor=self.name,
-                    child=child.spec.id,
-                    error=str(exc),
-                )
-                await self._stop_all(reversed(started))
-                raise StartFailed(
-                    f"supervisor {self.name!r}: child {child.spec.id!r} failed to start: {exc}",
-                    actor_id=child.spec.id,
-                    cause=exc.cause,
-                ) from exc
-            started.append(child)
+        for step in _start_steps(self._children):
+            outcomes = await asyncio.gather(*(self._start(c) for c in step), return_exceptions=True)
+            failed = [
+                (c, e) for c, e in zip(step, outcomes, strict=True) if isinstance(e, BaseException)
+            ]
+            started += [
+                c for c, e in zip(step, outcomes, strict=True) if not isinstance(e, BaseException)
+            ]
+            if not failed:
+                continue
+            child, exc = failed[0]
+            await self._stop_all(reversed(started))
+            if not isinstance(exc, StartFailed):
+                raise exc  # not a start that failed (cancelled, a bug): as it came
+            log.error(
+                "child failed to start", supervisor=self.name, child=child.spec.id, error=str(exc)
+            )
+            raise StartFailed(
+                f"supervisor {self.name!r}: child {child.spec.id!r} failed to start: {exc}",
+                actor_id=child.spec.id,
+                cause=exc.cause,
+            ) from exc
 
     async def run(self) -> None:
         while True:
@@ -553,6 +563,18 @@ class Supervisor(Actor):
             data["children"] = (await nested.snapshot())["children"]
             data["strategy"] = nested.strategy.value
         return data
+
+
+def _start_steps(children: list[_Child]) -> list[list[_Child]]:
+    """The start order in steps: each child alone, except neighbours sharing a start group."""
+    steps: list[list[_Child]] = []
+    for child in children:
+        group = child.spec.start_group
+        if steps and group is not None and steps[-1][-1].spec.start_group == group:
+            steps[-1].append(child)
+        else:
+            steps.append([child])
+    return steps
 
 
 def _spares(spec: ChildSpec) -> list[int | None]:

@@ -112,6 +112,26 @@ class CrashOnStart(Actor):
         raise RuntimeError("cannot start")
 
 
+class Rendezvous(Actor):
+    """Starts only once ``peers`` children (itself included) are starting in the same folder:
+    a start group whose members start one after another never gets there."""
+
+    def __init__(self, folder: str, peers: int, events: str | None = None) -> None:
+        self.folder, self.peers, self.events = Path(folder), peers, events
+
+    async def on_start(self) -> None:
+        (self.folder / self.context.id).touch()
+        deadline = time.monotonic() + 30
+        while len(list(self.folder.iterdir())) < self.peers:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {len(list(self.folder.iterdir()))} of {self.peers} met")
+            await asyncio.sleep(0.01)  # a condition polled, not a guess at how long it takes
+        record(self.events, f"start {self.context.id}")
+
+    async def on_stop(self) -> None:
+        record(self.events, f"stop {self.context.id}")
+
+
 class CrashSoon(Actor):
     """Starts fine, then its main loop crashes at once: a crash loop."""
 

@@ -7,9 +7,16 @@ import json
 
 import pytest
 
-from relax.actors import ChildSpec, Exit, InProc, Restart, Strategy, Supervisor
+from relax.actors import ChildSpec, Exit, InProc, Process, Restart, Strategy, Supervisor
 from relax.errors import ActorDead, StartFailed, SupervisorGaveUp
-from tests.actors.fixtures import CrashOnStart, CrashSoon, Echo, FinishSoon, read_events
+from tests.actors.fixtures import (
+    CrashOnStart,
+    CrashSoon,
+    Echo,
+    FinishSoon,
+    Rendezvous,
+    read_events,
+)
 from tests.actors.helpers import find, starts
 from tests.polling import wait_until
 
@@ -146,6 +153,49 @@ async def test_initial_start_failure_stops_started_children_in_reverse(events_fi
             pass
     stops = [e for e in read_events(events_file) if e.startswith("stop")]
     assert stops == ["stop c", "stop b", "stop a"]
+
+
+async def test_a_start_group_starts_at_once_in_processes(events_file, tmp_path) -> None:
+    # Three replicas that each start only when all three are starting: one after another
+    # (the order without a start group) the first would wait for the others for ever.
+    folder = tmp_path / "met"
+    folder.mkdir()
+    replicas = [
+        ChildSpec(
+            f"r-{i}",
+            Rendezvous,
+            kwargs={"folder": str(folder), "peers": 3, "events": events_file},
+            placement=Process(),
+            start_group="r",
+        )
+        for i in range(3)
+    ]
+    children = [ChildSpec("a", Echo, kwargs={"events": events_file}), *replicas]
+    children.append(ChildSpec("z", Echo, kwargs={"events": events_file}))
+    async with Supervisor(children) as sup:
+        assert {c["id"]: c["state"] for c in (await sup.snapshot())["children"]} == {
+            c.id: "running" for c in children
+        }
+    events = [" ".join(e.split()[:2]) for e in read_events(events_file)]
+    # The group is one step of the start order, and the stop order is the list reversed.
+    assert events[0] == "start a" and events[4] == "start z"
+    assert sorted(events[1:4]) == ["start r-0", "start r-1", "start r-2"]
+    assert events[5:] == ["stop z", "stop r-2", "stop r-1", "stop r-0", "stop a"]
+
+
+async def test_a_start_group_with_a_member_that_fails_stops_the_rest(events_file) -> None:
+    def member(i: int, cls: type) -> ChildSpec:
+        return ChildSpec(f"g-{i}", cls, kwargs={"events": events_file}, start_group="g")
+
+    children = [ChildSpec("a", Echo, kwargs={"events": events_file})]
+    children += [member(0, Echo), member(1, CrashOnStart), member(2, Echo)]
+    children.append(ChildSpec("z", Echo, kwargs={"events": events_file}))
+    with pytest.raises(StartFailed, match="'g-1' failed to start"):
+        async with Supervisor(children):
+            pass
+    events = read_events(events_file)
+    assert not any(e.startswith("start z") for e in events)  # nothing after the group starts
+    assert [e for e in events if e.startswith("stop")] == ["stop g-2", "stop g-0", "stop a"]
 
 
 async def test_ref_waits_through_a_restart_and_reaches_nested_children(events_file) -> None:

@@ -26,16 +26,39 @@ def final_weights(run_dir: Path) -> dict:
     return load_file(run_dir / "checkpoints" / f"step-{STEPS:08d}" / "model.safetensors")
 
 
-@pytest.mark.parametrize("rollout_batch", [4, 2])  # one, then two generation calls per step
-async def test_staleness_0_equals_a_synchronous_run(tmp_path: Path, rollout_batch: int) -> None:
+# Both cores at work in each phase (the layout bench/vs_trl.py times at staleness 0): two
+# rollout processes generate half a step each, then a trainer process steps on two threads.
+TWO_CORES = (
+    "rollout.replicas=2",
+    'rollout.placement="process"',
+    "rollout.threads=1",
+    'trainer.placement="process"',
+    "trainer.threads=2",
+)
+
+
+@pytest.mark.parametrize(
+    ("rollout_batch", "layout"),
+    [(4, ()), (2, ()), (2, TWO_CORES)],  # one, then two generation calls per step
+    ids=["one-call", "two-calls", "two-rollout-processes"],
+)
+async def test_staleness_0_equals_a_synchronous_run(
+    tmp_path: Path, rollout_batch: int, layout: tuple[str, ...]
+) -> None:
     overrides = [
         "staleness=0",
         f"trainer.steps={STEPS}",
         f"checkpoint.every_steps={STEPS}",
         f"rollout.batch_size={rollout_batch}",
+        *layout,
     ]
     cfg = load_config(RECIPE, overrides=overrides)
     await cluster.run(cfg, tmp_path / "cluster")
+    generated = tmp_path / "cluster" / "record" / "generations"
+    calls = {f.stem: len(f.read_text().splitlines()) for f in generated.glob("rollout-*.jsonl")}
+    assert sum(calls.values()) == STEPS * 4 // rollout_batch
+    if layout:  # the replicas started together and shared the work
+        assert len(calls) == 2 and min(calls.values()) > 0, calls
     await run_sync(cfg, tmp_path / "sync")
     ours, reference = steps(tmp_path / "cluster"), steps(tmp_path / "sync")
     assert len(ours) == len(reference) == STEPS
