@@ -122,11 +122,14 @@ class WeightStore:
         if self.directory is not None and not entry.get("file") and not _layout_only(entry):
             self._write(version, entry, self._staged(version))
 
-    def promote(self, version: int, entry: dict[str, Any]) -> None:
-        """The log holds the commit: the version becomes the current one (file renamed)."""
+    def promote(self, version: int, entry: dict[str, Any], *, prune: bool = True) -> None:
+        """The log holds the commit: the version becomes the current one (file renamed);
+        older files are deleted now, or (``prune=False``) when the caller calls
+        ``prune_files``."""
         if self.directory is not None and not _layout_only(entry):
             os.replace(self._staged(version), self._final(version))
-            self._prune_files()
+            if prune:
+                self.prune_files()
         self.committed[version] = entry
         for old in sorted(self.committed)[: -self.keep]:
             del self.committed[old]
@@ -197,8 +200,10 @@ class WeightStore:
             ) from None
         return {key[len(prefix) :]: t for key, t in tensors.items()}
 
-    def _prune_files(self) -> None:
-        assert self.directory is not None
+    def prune_files(self) -> None:
+        """Delete the version files older than the newest ``keep``."""
+        if self.directory is None:
+            return
         for old in sorted(self.directory.glob("v*.safetensors"))[: -self.keep]:
             old.unlink(missing_ok=True)
 
@@ -230,7 +235,7 @@ class WeightStore:
                 files.append(path)
         if not files:
             return
-        self._prune_files()
+        self.prune_files()
         meta, tensors = read_version_file(files[-1])
         info = json.loads(meta["meta"])
         buckets: list[dict[str, Any]] = [{} for _ in range(int(info["buckets"]))]

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from relax.bus import BusClient
+from relax.bus import BusClient, WeightStore
 from relax.bus._plane import PlaneOptions, WeightPublisher, WeightSubscriber, bucket_digest
 from tests.bus.fixtures import tcp_bus
 from tests.bus.weight_plane_peer import spawn_peer
@@ -382,13 +383,7 @@ async def test_receivers_that_can_read_the_bus_s_file_read_it_verified_and_leave
             assert await a._from_file({**head, "file": str(tmp_path / "elsewhere")}) is None
             assert a._local is False
             # Not the same bytes (a foreign or damaged file): refused, bucket named.
-            foreign = tmp_path / "foreign.safetensors"
-            foreign.write_bytes(Path(head["file"]).read_bytes())
-            with foreign.open("r+b") as f:
-                f.seek(-5, os.SEEK_END)
-                byte = f.read(1)
-                f.seek(-5, os.SEEK_END)
-                f.write(bytes([byte[0] ^ 1]))
+            foreign = flipped_copy(head["file"], tmp_path / "foreign.safetensors")
             assert await a._from_file({**head, "file": str(foreign)}) is None
             assert await a._from_file(head) is not None and a._local is True
 
@@ -411,6 +406,53 @@ async def test_receivers_that_can_read_the_bus_s_file_read_it_verified_and_leave
         finally:
             await a.aclose()
             await b.aclose()
+            await pub.aclose()
+
+
+def flipped_copy(path: str, to: Path) -> Path:
+    """A copy of the file at ``path`` with one byte of its last tensor flipped."""
+    to.write_bytes(Path(path).read_bytes())
+    with to.open("r+b") as f:
+        f.seek(-5, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-5, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 1]))
+    return to
+
+
+async def test_old_versions_files_are_deleted_after_the_commit_not_during_it(
+    bus, tmp_path, monkeypatch
+) -> None:
+    """Deleting a version file frees its page cache (about 30 ms per GB): the bus does it after
+    the commit's reply, one deletion at a time, so no publish waits for it — here deletions
+    are held until three versions are out — and only the newest two files stay."""
+    held, calls = threading.Event(), []
+    prune = WeightStore.prune_files
+
+    def held_prune(store: WeightStore) -> None:  # runs on a thread: blocking is what we test
+        calls.append(store.current)
+        assert held.wait(30)
+        prune(store)
+
+    monkeypatch.setattr(WeightStore, "prune_files", held_prune)
+    files = Path(tmp_path, "weights")
+    async with await BusClient.connect(bus) as trainer_bus:
+        pub = WeightPublisher(trainer_bus, replace(FAST, local_file=True))
+        try:
+            for version in (1, 2, 3):  # nobody polls: each version goes to the file only
+                await asyncio.wait_for(pub.publish(version, state_dict(version, mb=1)), 10)
+            await wait_until(lambda: calls, what="a deletion to start")
+            assert len(sorted(files.glob("v*.safetensors"))) == 3  # none deleted yet
+            held.set()
+            await wait_until(
+                lambda: (
+                    [p.name for p in sorted(files.glob("v*.safetensors"))]
+                    == ["v000000000002.safetensors", "v000000000003.safetensors"]
+                ),
+                what="the oldest file deleted",
+            )
+        finally:
+            held.set()
             await pub.aclose()
 
 
