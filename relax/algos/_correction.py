@@ -108,6 +108,10 @@ class Correction(NamedTuple):
     """``is_weight_mean``/``is_weight_max`` (kept tokens), ``is_batch_norm_factor``,
     ``rejected_token_frac`` (of counted tokens), ``rejected_seq_frac`` (of sequences with
     counted tokens, those left with none); detached 0-d tensors."""
+    counts: dict[str, torch.Tensor]
+    """How many positions each mean of ``metrics`` is over (kept tokens, counted tokens,
+    sequences with counted tokens): corrections computed per micro-batch combine into the
+    batch's means by them."""
 
 
 def rollout_log_ratio(
@@ -232,10 +236,13 @@ def rollout_correction(
     emptied = has_tokens & ~kept.any(dim=-1)
     metrics["rejected_token_frac"] = masked_mean((counted & ~keep).to(lr.dtype), counted)
     metrics["rejected_seq_frac"] = masked_mean(emptied.to(lr.dtype), has_tokens)
+    counts = {"rejected_token_frac": counted.sum(), "rejected_seq_frac": has_tokens.sum()}
+    if weights is not None:
+        counts["is_weight_mean"] = kept.sum()
 
     if spec.on_reject == "zero_weight":
         if weights is None and spec.rejects:
             weights = kept.to(lr.dtype)
-        return Correction(weights, mask, metrics)
+        return Correction(weights, mask, metrics, counts)
     dropped_mask = torch.where(kept, mask, torch.zeros_like(mask))
-    return Correction(weights, dropped_mask, metrics)
+    return Correction(weights, dropped_mask, metrics, counts)

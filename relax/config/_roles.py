@@ -533,6 +533,8 @@ class TrainerConfig(RoleConfig):
     """Gradients are rescaled so their global norm is at most this."""
     micro_batch_size: PositiveInt = 4
     """Samples per forward/backward pass on one rank; gradients accumulate until `global_batch_size`."""
+    sort_micro_batches: bool = True
+    """Cut a step's rows into micro-batches longest first, so that each holds rows of similar length and is computed only up to its longest (padding is not): less compute when lengths spread, the longest micro-batch (the memory peak) first. The step's gradient is the same sum, up to float rounding. Off: the rows in the order they were taken."""
     max_sample_tokens: PositiveInt | None = None
     """Most tokens one sample may hold, prompt and response, media placeholders included (an image costs as many tokens as its processor gives it); the group of a larger sample is dropped as "oversized" (counted on the bus, never trained) instead of running a step out of memory. Unset: no limit."""
     global_batch_size: PositiveInt = 16

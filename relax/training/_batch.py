@@ -101,6 +101,29 @@ class Batch:
             routed_experts=None if self.routed_experts is None else self.routed_experts[rows, cols],
         )
 
+    def reordered(self, order: torch.Tensor) -> Batch:
+        """The rows ``order`` lists (a permutation of row indices), in that order."""
+        index = order.to(device=self.input_ids.device, dtype=torch.long)
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index.to(t.device)]
+
+        return replace(
+            self,
+            input_ids=self.input_ids[index],
+            attention_mask=self.attention_mask[index],
+            response_mask=self.response_mask[index],
+            mask=self.mask[index],
+            rollout_logprobs=self.rollout_logprobs[index],
+            rewards=self.rewards[index],
+            group_ids=self.group_ids[index],
+            lengths=self.lengths[index],
+            ref_logprobs=pick(self.ref_logprobs),
+            values=pick(self.values),
+            mm_inputs=tuple(self.mm_inputs[i] for i in index.tolist()) if self.mm_inputs else (),
+            routed_experts=pick(self.routed_experts),
+        )
+
     def to(self, device: torch.device | str) -> Batch:
         """The same batch with every tensor on ``device``."""
 

@@ -177,6 +177,12 @@ def compute_advantages(batch: Batch, cfg: AlgorithmConfig) -> tuple[torch.Tensor
     return adv.detach(), {k: v.detach() for k, v in stats.items()}
 
 
+COUNT_PREFIX = "count:"
+"""A micro-batch metric ``count:<name>`` says how many positions the mean ``<name>`` is over
+(kept tokens, sequences, ...); ``<name>`` then combines over micro-batches (and ranks) as
+``sum(count * mean) / sum(count)`` instead of by the micro-batch's share of the loss."""
+
+
 def micro_batch_loss(
     logprobs: torch.Tensor,
     entropy: torch.Tensor | None,
@@ -202,6 +208,8 @@ def micro_batch_loss(
     if is_weights is None and spec.active and not spec.needs_whole_batch:
         fix = rollout_correction(old, behaviour, mask, spec)
         is_weights, metrics = fix.weights, dict(fix.metrics)
+        # Means over kept tokens or sequences: the batch's are the ratio of the sums.
+        metrics.update({COUNT_PREFIX + key: n for key, n in fix.counts.items()})
     if cfg.loss == "ppo_clip":
         if cfg.off_policy == "decoupled":
             policy_loss, loss_metrics = decoupled_ppo_loss(

@@ -18,6 +18,7 @@ from relax.training._base import StepResult, TrainingBackend
 from relax.training._batch import Batch, Row, pack_batch
 from relax.training._logprobs import forward_logprobs
 from relax.training._objective import (
+    COUNT_PREFIX,
     aggregation,
     check_supported,
     compute_advantages,
@@ -194,6 +195,15 @@ class SafeStepBackend(TrainingBackend):
         sums: dict[str, float] = {}
         problem: str | None = None
         micro = self.trainer_config.micro_batch_size
+        if self.trainer_config.sort_micro_batches and batch.size > micro:
+            # Each micro-batch is trimmed to its longest row (``Batch.select``): rows of similar
+            # length together leave little padding to compute. Longest first: the memory peak
+            # comes at once. Every rank of a gang sorts the same way.
+            order = torch.sort(batch.lengths.cpu(), descending=True, stable=True).indices
+            batch = batch.reordered(order)
+            advantages = advantages[order.to(advantages.device)]
+            if weights is not None:
+                weights = weights[order.to(weights.device)]
         scale = self._loss_scale()
         # Entropy is always reported; it only needs a graph when it is part of the loss.
         entropy_in_loss = cfg.entropy_coef > 0
@@ -228,9 +238,16 @@ class SafeStepBackend(TrainingBackend):
                 mb_metrics["loss"] = loss.detach()
                 w = weight.item()
                 for key, value in mb_metrics.items():
+                    if key.startswith(COUNT_PREFIX):
+                        continue
                     v = value.item()
+                    count = mb_metrics.get(COUNT_PREFIX + key)
                     if key in MAX_METRICS:
                         sums[key] = max(sums.get(key, -math.inf), v)
+                    elif count is not None:  # a mean over its own positions: summed as such
+                        n = count.item()
+                        sums[key] = sums.get(key, 0.0) + n * v
+                        sums[COUNT_PREFIX + key] = sums.get(COUNT_PREFIX + key, 0.0) + n
                     else:
                         sums[key] = sums.get(key, 0.0) + w * v
                 if problem is None and not math.isfinite(mb_metrics["loss"].item()):
@@ -241,6 +258,9 @@ class SafeStepBackend(TrainingBackend):
             # skipped below and its gradient dropped.
             self._backward(loss * (weight * scale), position == len(schedule) - 1)
         sums, problem = self._combine(sums, problem)
+        for key in [k for k in sums if k.startswith(COUNT_PREFIX)]:
+            count, name = sums.pop(key), key[len(COUNT_PREFIX) :]
+            sums[name] = sums[name] / count if count else 0.0
         metrics.update(sums)
         return metrics, problem
 
