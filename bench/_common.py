@@ -97,6 +97,22 @@ def recipe(staleness: str, steps: int, scale: str = "scaled", extra: tuple[str, 
     return load_config(DIGITS, overrides=overrides)
 
 
+def spread_model(folder: Path) -> Path:
+    """The scaled model with the wide-spread policy (``tests.tiny.spread_lengths``: responses
+    from 1 token to the cap, about half at it), saved under ``folder`` like a checkpoint."""
+    from relax.models import build_tiny_model
+    from tests.tiny import spread_lengths
+
+    init = recipe("0", 1, "scaled").model.init
+    return spread_lengths(build_tiny_model(init, folder / "model"), scale=20.0)
+
+
+def spread_of(lengths: list[int]) -> list[int]:
+    """Minimum, quartiles and maximum of ``lengths``."""
+    ordered = sorted(lengths)
+    return [ordered[int(q * (len(ordered) - 1))] for q in (0, 0.25, 0.5, 0.75, 1)]
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

@@ -31,18 +31,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import limit_threads, load_average, median, quiet, recipe
+from bench._common import limit_threads, load_average, median, quiet, spread_model, spread_of
 
 PROMPTS = 8
 SAMPLES = 8
-
-
-def build(folder: Path) -> Path:
-    from relax.models import build_tiny_model
-    from tests.tiny import spread_lengths
-
-    model = build_tiny_model(recipe("0", 1, "scaled").model.init, folder / "model")
-    return spread_lengths(model, scale=20.0)
 
 
 async def main(rounds: int, max_new_tokens: int) -> None:
@@ -51,7 +43,7 @@ async def main(rounds: int, max_new_tokens: int) -> None:
 
     ratios: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="relax-bench-compaction-") as tmp:
-        model_dir = build(Path(tmp))
+        model_dir = spread_model(Path(tmp))
         tok = load_tokenizer(model_dir)
         for policy in ("spread", "uniform"):
             stops = [tok.eos_token_id] if policy == "spread" else []
@@ -80,13 +72,11 @@ async def main(rounds: int, max_new_tokens: int) -> None:
                 if tokens["compacted"] != tokens["full"]:
                     raise SystemExit(f"{policy}: compaction changed the tokens in round {round_}")
                 lengths += [len(t) for t in tokens["full"]]
-            lengths.sort()
-            quartiles = [lengths[int(q * (len(lengths) - 1))] for q in (0, 0.25, 0.5, 0.75, 1)]
             med = {name: median(values) for name, values in times.items()}
             ratios[policy] = med["full"] / med["compacted"]
             print(
                 f"{policy:>8}: {PROMPTS * SAMPLES} rows per call, response lengths (min, quartiles,"
-                f" max) {quartiles}; compacted {med['compacted'] * 1e3:.1f} ms, full"
+                f" max) {spread_of(lengths)}; compacted {med['compacted'] * 1e3:.1f} ms, full"
                 f" {med['full'] * 1e3:.1f} ms per call (medians of {rounds});"
                 f" same tokens every call"
             )

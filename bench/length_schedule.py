@@ -41,6 +41,7 @@ from bench._common import (
     phase_line,
     quiet,
     recipe,
+    spread_model,
     timed_run,
 )
 
@@ -76,14 +77,6 @@ def spread_recipe(
     return cfg.model_copy(update={"model": model})
 
 
-def build_model(folder: Path, staleness: str) -> Path:
-    from relax.models import build_tiny_model
-    from tests.tiny import spread_lengths
-
-    init = recipe(staleness, 1, "scaled").model.init
-    return spread_lengths(build_tiny_model(init, folder / "model"), scale=20.0)
-
-
 def mean_lag(records: list[dict[str, Any]]) -> float:
     rows = lags = 0
     for record in records:
@@ -113,7 +106,7 @@ async def interleaved(
     results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     runs: dict[str, list[Run]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory(prefix="relax-bench-lengths-") as tmp:
-        model_dir = build_model(Path(tmp), args.staleness)
+        model_dir = spread_model(Path(tmp))
         for round_ in range(args.rounds):
             order = list(modes) if round_ % 2 == 0 else list(modes)[::-1]
             for mode in order:

@@ -28,7 +28,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import limit_threads, load_average, median, quiet, recipe
+from bench._common import (
+    limit_threads,
+    load_average,
+    median,
+    quiet,
+    recipe,
+    spread_model,
+    spread_of,
+)
 
 PROMPTS, SAMPLES, MAX_NEW = 8, 8, 96
 
@@ -59,16 +67,14 @@ async def spread_rows(model_dir: Path) -> list[dict]:
 def main(rounds: int, micro: int) -> None:
     import torch
 
-    from relax.models import build_tiny_model, load_policy
+    from relax.models import load_policy
     from relax.training import TorchBackend
-    from tests.tiny import spread_lengths
 
     cfg = recipe("0", 1, "scaled")
     with tempfile.TemporaryDirectory(prefix="relax-bench-micro-") as tmp:
-        model_dir = spread_lengths(build_tiny_model(cfg.model.init, Path(tmp) / "m"), scale=20.0)
+        model_dir = spread_model(Path(tmp))
         rows = asyncio.run(spread_rows(model_dir))
         model, tok = load_policy(model_dir, "float32")
-    lengths = sorted(len(r["response_ids"]) for r in rows)
     trainer = cfg.trainer.model_copy(
         update={"micro_batch_size": micro, "global_batch_size": len(rows)}
     )
@@ -77,13 +83,13 @@ def main(rounds: int, micro: int) -> None:
     for round_ in range(rounds):
         grads = {}
         for sort in (True, False) if round_ % 2 == 0 else (False, True):
-            copy_ = copy.deepcopy(model)
+            replica = copy.deepcopy(model)
             seen: list[int] = []
-            hook = copy_.register_forward_pre_hook(
+            hook = replica.register_forward_pre_hook(
                 lambda m, a, kw, seen=seen: seen.append(kw["input_ids"].numel()), with_kwargs=True
             )
             backend = TorchBackend(
-                copy_,
+                replica,
                 trainer.model_copy(update={"sort_micro_batches": sort}),
                 cfg.algorithm,
                 pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
@@ -95,14 +101,14 @@ def main(rounds: int, micro: int) -> None:
             if problem is not None:
                 raise SystemExit(f"the step was refused: {problem}")
             positions[sort] = sum(seen)
-            grads[sort] = [p.grad.clone() for p in copy_.parameters() if p.grad is not None]
+            grads[sort] = [p.grad.clone() for p in replica.parameters() if p.grad is not None]
         for a, b in zip(grads[True], grads[False], strict=True):
             if not torch.allclose(a, b, rtol=1e-4, atol=1e-6):
                 raise SystemExit("sorting changed the gradient")
     med = {sort: median(values) for sort, values in times.items()}
-    quartiles = [lengths[int(q * (len(lengths) - 1))] for q in (0, 0.25, 0.5, 0.75, 1)]
+    lengths = spread_of([len(r["response_ids"]) for r in rows])
     print(
-        f"{len(rows)} rows, response lengths (min, quartiles, max) {quartiles}; micro-batches of"
+        f"{len(rows)} rows, response lengths (min, quartiles, max) {lengths}; micro-batches of"
         f" {micro}; forward + backward (medians of {rounds}): sorted {med[True] * 1e3:.1f} ms"
         f" ({positions[True]} token positions), unsorted {med[False] * 1e3:.1f} ms"
         f" ({positions[False]}); the same gradient every round"

@@ -431,7 +431,10 @@ class BusService(Actor):
     async def _prune_after(self, previous: asyncio.Future[None] | None) -> None:
         if previous is not None:
             await asyncio.wait({previous})  # one at a time, in order
-        await asyncio.to_thread(self.weights.prune_files)
+        try:
+            await asyncio.to_thread(self.weights.prune_files)
+        except OSError as exc:  # a file left behind costs disk, never a version: the next one
+            self.log.warning("could not delete old weight files", error=str(exc))
 
     def _already_committed(self, version: int, publish: Any) -> bool:
         """``publish`` (the upload's id) committed ``version`` already: a retry after the bus

@@ -773,7 +773,7 @@ class _Live:
     def __init__(self, size: int, device: torch.device) -> None:
         self.size = size
         self.index = torch.arange(size, device=device)
-        self.rows = list(range(size))
+        self.rows = list(range(size))  # ``index`` as a list: picking generators reads no device
 
     def spread(self, values: torch.Tensor, fill: float) -> torch.Tensor:
         """``values`` of the rows in the pass, as a whole batch's (``fill`` elsewhere)."""

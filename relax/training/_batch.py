@@ -106,7 +106,7 @@ class Batch:
         index = order.to(device=self.input_ids.device, dtype=torch.long)
 
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[index.to(t.device)]
+            return None if t is None else t[index]
 
         return replace(
             self,
