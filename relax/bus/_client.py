@@ -26,7 +26,7 @@ from typing import Any
 
 from relax.bus._weights import VersionGone
 from relax.errors import BusError, UploadLost, error_from_dict
-from relax.schema import BusStatistics, NewRow, TakenRow, TakeReply
+from relax.schema import AdmitManyReply, BusStatistics, NewRow, TakenRow, TakeReply
 from relax.transport import Limits, RawTensor, connect
 
 # The server may hold a request for `wait` seconds; the transport gets this much more on top.
@@ -120,6 +120,19 @@ class BusClient:
             {"op": "admit", "group": group, "rows": rows, "version": version, "wait": wait}, wait
         )
 
+    async def admit_many(
+        self, groups: list[str], rows: int, version: int, *, wait: float = 60.0
+    ) -> AdmitManyReply:
+        """``admit`` for ``groups`` in order, in one round trip: admits until the first group
+        refused; the reply's ``verdicts`` go up to it (all ``"ok"`` when every group was
+        admitted), its ``staleness`` is the bound in force. Waits up to ``wait`` seconds
+        while the first group is ``"full"`` or ``"ahead"`` (room may come at this version: a
+        group dropped; a trainer that moves on makes it ``"behind"``, answered at once)."""
+        return await self._call(
+            {"op": "admit_many", "groups": groups, "rows": rows, "version": version, "wait": wait},
+            wait,
+        )
+
     async def put(self, rows: list[NewRow], *, wait: float = 60.0) -> int:
         """Add rows (all or nothing), waiting while the bus is full. Returns rows added."""
         return await self._call({"op": "put", "rows": rows, "wait": wait}, wait)
@@ -156,6 +169,7 @@ class BusClient:
         lease_timeout: float | None = None,
         wait: float = 30.0,
         trainer_version: int | None = None,
+        turn: bool = False,
     ) -> Batch:
         """Lease up to ``batch_size`` rows ready for ``task`` (empty if none came in ``wait``).
 
@@ -166,6 +180,11 @@ class BusClient:
         (all of them when ``columns`` is empty) plus whichever of ``optional`` they have. A
         unit (row or whole group) holding a row of more than ``max_row_tokens`` tokens is
         dropped as "oversized" (counted), like one above the whole ``token_budget``.
+
+        ``turn``: take the task's turn with the rows. Turn-takes are granted one at a time:
+        the next waits until this one ends its turn (``release(..., end_turn=True)``), its
+        lease ends, or this client takes again. A producer that leases work, then asks another
+        bus for admission, takes turns so that work is admitted in the queue's order.
         """
         reply: TakeReply | None = await self._call(
             {
@@ -181,6 +200,7 @@ class BusClient:
                 "lease_timeout": lease_timeout,
                 "wait": wait,
                 "trainer_version": trainer_version,
+                "turn": turn,
             },
             wait,
         )
@@ -222,9 +242,23 @@ class BusClient:
             request["skipped_step"] = True
         return await self._call(request)
 
-    async def release(self, batch: Batch, *, drop: str | None = None) -> None:
-        """Give the batch back to the queue (or drop it for good with a reason)."""
-        await self._call({"op": "release", "task": batch.task, "items": batch.items, "drop": drop})
+    async def release(
+        self, batch: Batch, *, drop: str | None = None, end_turn: bool = False
+    ) -> None:
+        """Give the batch back to the queue (or drop it for good with a reason).
+
+        ``end_turn``: the batch was taken with ``turn=True``; its turn ends with this request
+        (the batch's rows may be none: then the request only ends the turn)."""
+        await self._call(
+            {
+                "op": "release",
+                "task": batch.task,
+                "lease": batch.lease,
+                "items": batch.items,
+                "drop": drop,
+                "end_turn": end_turn,
+            }
+        )
 
     # ------------------------------------------------------------------ trainer and status
 

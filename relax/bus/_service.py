@@ -27,7 +27,15 @@ from relax.bus._log import SegmentLog
 from relax.bus._table import BusTable
 from relax.bus._weights import WeightStore
 from relax.errors import BadRow, BusError, error_to_dict
-from relax.schema import BusStatistics, Op, Staleness, StalenessWire, TakenRow, TakeReply
+from relax.schema import (
+    AdmitManyReply,
+    BusStatistics,
+    Op,
+    Staleness,
+    StalenessWire,
+    TakenRow,
+    TakeReply,
+)
 from relax.transport import Limits, Peer, dumps, dumps_parts, loads, serve
 
 # Log writes below this size happen inline; larger ones on the writer thread.
@@ -271,6 +279,7 @@ class BusService(Actor):
                 lease_timeout=float(req.get("lease_timeout") or self.lease_timeout),
                 now=time.time(),
                 trainer_version=req.get("trainer_version"),
+                turn=bool(req.get("turn")),
             )
             if lease is None:
                 dropped.extend(ops)
@@ -320,6 +329,9 @@ class BusService(Actor):
         await self._commit(
             self.table.release(req["task"], [tuple(i) for i in req["items"]], drop=req.get("drop"))
         )
+        if req.get("end_turn") and self.table.end_turn(req["task"], int(req["lease"])):
+            async with self.changed:  # the next turn-take may go now
+                self.changed.notify_all()
 
     async def _op_admit(self, req: dict[str, Any], peer: Peer) -> str:
         verdict = "full"
@@ -341,6 +353,38 @@ class BusService(Actor):
         if ops:
             await self._commit(ops)
         return verdict
+
+    async def _op_admit_many(self, req: dict[str, Any], peer: Peer) -> AdmitManyReply:
+        """``admit`` for several groups in order, in one request and one log record: stops at
+        the first group not admitted; answers the verdicts up to and including it, and the
+        staleness bound in force. Waits while the very first group is "full" or "ahead":
+        unlike ``admit``, for "ahead" too — a group dropped (a failed reward) makes room at
+        the producer's version, which its weights follower would never bring, and a trainer
+        that moves on turns the verdict into "behind", answered at once."""
+        groups = req.get("groups")
+        if not (isinstance(groups, list) and groups and all(isinstance(g, str) for g in groups)):
+            raise BusError(f"admit_many carries a non-empty list of group ids, got {groups!r:.60}")
+        rows, version = int(req["rows"]), int(req["version"])
+        verdicts: list[str] = []
+
+        def attempt() -> Any:
+            ops: list[Op] = []
+            verdicts.clear()
+            now = time.time()
+            for group in groups:
+                admitted, verdict = self.table.admit(
+                    group, rows, version, now=now, timeout=self.admission_timeout
+                )
+                ops += admitted
+                verdicts.append(verdict)
+                if verdict != "ok":
+                    break
+            return None if verdicts in (["full"], ["ahead"]) else ops
+
+        ops = await self._wait_for(attempt, req.get("wait"))
+        if ops:
+            await self._commit(ops)
+        return {"verdicts": verdicts, "staleness": self.table.staleness.wire}
 
     async def _op_staleness(self, req: dict[str, Any], peer: Peer) -> StalenessWire:
         """Change the staleness bound (``relax set staleness``): logged, in force from the

@@ -99,6 +99,12 @@ def _fill(
 class BusTable(TableState):
     """Decides what each call does, as the ops it applies. See the module docstring."""
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # Per task, the lease (id, holder) whose holder has the turn (``take(turn=True)``).
+        # A decision aid, not state: never logged, so a restarted bus starts with no turns.
+        self.turns: dict[str, tuple[int, str]] = {}
+
     # ------------------------------------------------------------------ decisions
 
     def put(self, rows: list[dict[str, Any]], *, checked: bool = False) -> list[Op] | None:
@@ -207,6 +213,7 @@ class BusTable(TableState):
         lease_timeout: float = 60.0,
         now: float = 0.0,
         trainer_version: int | None = None,
+        turn: bool = False,
     ) -> tuple[list[Op], Lease | None]:
         """Lease up to ``batch_size`` ready rows to ``task``; ``None`` if fewer than ``min_rows``.
 
@@ -215,9 +222,18 @@ class BusTable(TableState):
         "oversized"). Drops happen even when no lease is granted. ``trainer_version``: the
         trainer is already at this version (its publish still on the way, overlapped with
         this take): staleness counts from it, not from the last committed one.
+
+        ``turn``: takes that ask for the turn get it one at a time. The lease granted holds
+        the task's turn until its holder ends it (``end_turn``), the lease ends (its rows
+        acked, released or expired), or the same holder takes again (restarted, say); until
+        then another holder's turn-take gets nothing (it waits). Producers that lease work and
+        then ask for admission take turns so that admission follows the queue's order: one
+        producer held up between the two cannot see the next one's later rows admitted first.
         """
         if task not in self.tasks:
             raise UnknownTask(f"unknown consumer task {task!r}; the bus serves {list(self.tasks)}")
+        if turn and not self._turn_free(task, holder):
+            return [], None
         ops: list[Op] = []
         trainer = task == self.trainer_task
         floor = (
@@ -254,7 +270,22 @@ class BusTable(TableState):
         }
         self._apply(lease_op)
         ops.append(lease_op)
+        if turn:
+            self.turns[task] = (lease_op["id"], holder)
         return ops, self.leases[lease_op["id"]]
+
+    def _turn_free(self, task: str, holder: str) -> bool:
+        held = self.turns.get(task)
+        return held is None or held[1] == holder or held[0] not in self.leases
+
+    def end_turn(self, task: str, lease: int) -> bool:
+        """Lease ``lease`` gives up ``task``'s turn (see ``take``); False if it did not hold
+        it (ended already, or taken over by its holder's next take)."""
+        held = self.turns.get(task)
+        if held is None or held[0] != lease:
+            return False
+        del self.turns[task]
+        return True
 
     def trainer_at(self, hint: int | None) -> int:
         """The trainer's version for a take: the committed one, or the trainer's own when it

@@ -3,6 +3,7 @@ and the critic, the base class ``LearnerRole``)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import os
@@ -144,3 +145,24 @@ def well_formed(rows: list[dict[str, Any]], log: Any) -> list[dict[str, Any]]:
     for group, problem in bad.items():
         log.warning("left out a group with a bad row", group=group, problem=problem)
     return [r for r in rows if str(r.get("group")) not in bad] if bad else rows
+
+
+STALL_AT_ENV = "RELAX_STALL_AT"
+"""Test hook: ``<point>@<actor id>=<seconds>`` (e.g. ``after_lease@rollout-1=1.5``) makes that
+actor pause there for that long, once per run folder (a marker file records it), so a test
+can hold one replica up at an exact point instead of hoping the scheduler does. Points:
+``after_lease`` (a rollout, between leasing prompts and asking for their admission)."""
+
+
+async def stall_point(run_dir: Path | None, point: str, actor: str) -> None:
+    wanted = os.environ.get(STALL_AT_ENV)
+    if not wanted or run_dir is None:
+        return
+    where, _, seconds = wanted.partition("=")
+    if where != f"{point}@{actor}":
+        return
+    marker = run_dir / f"stalled-at-{point}@{actor}"
+    if marker.exists():
+        return
+    marker.touch()
+    await asyncio.sleep(float(seconds))

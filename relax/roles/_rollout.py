@@ -59,6 +59,7 @@ from relax.roles._common import (
     cluster_config,
     connect_bus,
     prompt_seed,
+    stall_point,
     well_formed,
     without_poisoned,
 )
@@ -176,6 +177,7 @@ class RolloutRole(Actor):
         self._idle.set()
         self._start_version: int | None = None  # what it held before serving anything
         self.lengths = LengthBook()  # [rollout] schedule = "shortest_first"
+        self._on_policy = self.cfg.staleness == 0  # as the samples bus last said: take turns
 
     async def on_start(self) -> None:
         # A restart while paused comes back paused: the control endpoint still says so.
@@ -292,11 +294,13 @@ class RolloutRole(Actor):
         n = cfg.data.n_samples_per_prompt
         stops = stop_token_ids(engine.tokenizer) if hasattr(engine, "tokenizer") else []
         rank = self.context.rank
+        # Each replica its own client name (the prompt bus tells turn holders apart by it).
+        name = self.context.id if rank == 0 else f"{self.context.id}.{rank}"
         self._new_weights = asyncio.Condition()
         async with (
-            await connect_bus(self.prompts_url, cfg, f"rollout-{rank}-prompts") as prompts,
-            await connect_bus(self.samples_url, cfg, f"rollout-{rank}") as samples,
-            await connect_bus(self.samples_url, cfg, f"rollout-{rank}-weights") as weights,
+            await connect_bus(self.prompts_url, cfg, f"{name}-prompts") as prompts,
+            await connect_bus(self.samples_url, cfg, name) as samples,
+            await connect_bus(self.samples_url, cfg, f"{name}-weights") as weights,
         ):
             if cfg.weights.transport == "group":
                 # A new member each start: a restarted rollout's old self leaves with its lease.
@@ -397,36 +401,49 @@ class RolloutRole(Actor):
     async def _round(
         self, prompts: BusClient, samples: BusClient, n: int, stops: list[int]
     ) -> None:
-        """Lease prompts, admit what pacing allows, generate, put, ack."""
+        """Lease prompts, admit what pacing allows, generate, put, ack.
+
+        At staleness 0 the replicas take turns from lease to admission: a version's groups
+        are then the next prompts in the stream, as in the synchronous loop. (Without turns a
+        replica held up between the two saw another's later prompts admitted first, and the
+        step trained other prompts than ``relax up --sync`` does.) The bound is the one the
+        samples bus last reported, so a live ``relax set staleness`` applies from the next
+        round.
+        """
         cfg, engine = self.cfg, self.engine
         assert engine is not None
-        batch = await prompts.take_batch("rollout", batch_size=cfg.rollout.batch_size, wait=1.0)
+        in_turn = self._on_policy
+        batch = await prompts.take_batch(
+            "rollout", batch_size=cfg.rollout.batch_size, wait=1.0, turn=in_turn
+        )
+        if batch.rows:
+            await stall_point(self.run_dir, "after_lease", self.context.id)
         if not (await without_poisoned(prompts, batch, self.log)).rows:  # e.g. str prompt_ids
-            return
-        admitted = []
-        for row in batch.rows:
-            while True:
-                version = engine.version
-                verdict = await samples.admit(row["uid"], n, version, wait=0.0)
-                if verdict == "behind":  # our weights are too old: the follower brings newer
-                    timeout = cfg.rollout.weight_sync_timeout
-                    if not await self._newer_within(version, timeout):
-                        self.log.warning("no newer weights yet", version=version, waited_s=timeout)
-                    continue
-                if verdict == "ahead" and not admitted:
-                    # Waiting at the bus cannot help: for a fixed version "ahead" stays so until
-                    # the trainer moves on. Newer weights can: wait for them instead.
-                    if await self._newer_within(version, 5.0):
-                        continue
-                elif verdict == "full" and not admitted:
-                    verdict = await samples.admit(row["uid"], n, version, wait=5.0)
+            return  # (every row dropped: the lease, and with it the turn, ended)
+        admitted: list[dict[str, Any]] = []
+        waiting = list(batch.rows)
+        while waiting:
+            version = engine.version
+            # In order, one request; while nothing is admitted yet the bus waits (up to 5 s)
+            # for the first to be admitted or to fall "behind": with some admitted, generate
+            # those now.
+            reply = await samples.admit_many(
+                [r["uid"] for r in waiting], n, version, wait=0.0 if admitted else 5.0
+            )
+            verdicts, self._on_policy = reply["verdicts"], reply["staleness"] == 0
+            ok = len(verdicts) - (verdicts[-1] != "ok")  # the admitted lead the verdicts
+            admitted += waiting[:ok]
+            waiting = waiting[ok:]
+            if not waiting:
                 break
-            if verdict != "ok":
-                break  # the rest would be refused too: generate what was admitted now
-            admitted.append(row)
-        waiting = [r for r in batch.rows if r not in admitted]
-        if waiting:  # the trainer is behind: these prompts go back for later
-            await prompts.release(replace(batch, rows=waiting))
+            if verdicts[ok] == "behind":  # our weights are too old: the follower brings newer
+                timeout = cfg.rollout.weight_sync_timeout
+                if not await self._newer_within(version, timeout):
+                    self.log.warning("no newer weights yet", version=version, waited_s=timeout)
+                continue
+            break  # the rest would be refused too: generate what was admitted now
+        if waiting or in_turn:  # waiting: the trainer is behind, these go back for later
+            await prompts.release(replace(batch, rows=waiting), end_turn=in_turn)
         if not admitted:
             return
         kind = cfg.rollout.agent.kind

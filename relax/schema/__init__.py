@@ -3,7 +3,7 @@ floor may import it):
 
 - column names (``RESPONSE_IDS``, ``MM_INPUTS``, ...; ``COLUMN_NAMES``): the columns roles
   write on the sample bus (their types are ``relax.bus.SCHEMA``'s);
-- bus shapes: ``NewRow`` (a put), ``TakenRow`` / ``TakeReply`` (a take), and every op the bus
+- bus shapes: ``NewRow`` (a put), ``TakenRow`` / ``TakeReply`` (a take), ``AdmitManyReply``, and every op the bus
   table applies and logs (``Op``, one ``TypedDict`` per ``OpKind``);
 - status shapes: ``StatusSnapshot`` (the control endpoint's status) with its ``TreeSnapshot``,
   ``ChildSnapshot``, ``BusStatistics``, ``TaskCounts``, ``TrainerInfo``, and ``MetricRecord``
@@ -15,6 +15,7 @@ floor may import it):
 from relax.schema._bus import (
     OP_KINDS,
     AckOp,
+    AdmitManyReply,
     AdmitOp,
     ColumnsOp,
     CommitOp,
@@ -92,6 +93,7 @@ __all__ = [
     "UNBOUNDED",
     "VALUES",
     "AckOp",
+    "AdmitManyReply",
     "AdmitOp",
     "BusStatistics",
     "ChildSnapshot",

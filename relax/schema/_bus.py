@@ -54,6 +54,15 @@ class TakeReply(TypedDict):
     """The bound in force when the rows were taken (the trainer's task only)."""
 
 
+class AdmitManyReply(TypedDict):
+    """What ``admit_many`` answers."""
+
+    verdicts: list[str]
+    """One per group, in order, up to and including the first not ``"ok"``."""
+    staleness: StalenessWire
+    """The bound in force now (a producer learns of a live change here)."""
+
+
 # ---------------------------------------------------------------------------- operations
 
 OpKind = Literal[

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -108,6 +109,92 @@ async def test_admission_holds_producers_until_the_trainer_moves(tmp_path) -> No
             await bus.set_trainer_version(1)
             assert await asyncio.wait_for(pending, 10) == "ok"
             assert await bus.admit("g2", 2, version=0) == "behind"
+    finally:
+        await sup.__aexit__(None, None, None)
+
+
+async def test_admit_many_admits_in_order_up_to_the_first_refusal(tmp_path) -> None:
+    sup, url = await start_bus(tmp_path, tasks=["train"], staleness=0, batch_size=4, capacity=8)
+    try:
+        async with await BusClient.connect(url) as bus:
+            reply = await bus.admit_many(["g0", "g1", "g2"], 2, version=0)
+            assert reply == {"verdicts": ["ok", "ok", "ahead"], "staleness": 0}
+            verdicts = (await bus.admit_many(["g1", "g2"], 2, version=0))["verdicts"]
+            assert verdicts == ["ok", "ahead"]  # g1's admission retried: still ok
+            assert (await bus.statistics())["admitted_rows"] == 4  # g2 was not admitted
+            await bus.put(rows("g0", 2) + rows("g1", 2))
+            async with bus.take("train", batch_size=4, min_rows=4):
+                pass
+            await bus.set_trainer_version(1)
+            assert (await bus.admit_many(["g2", "g3"], 2, version=0))["verdicts"] == ["behind"]
+            await bus.set_staleness("inf")  # a live change: the next reply says so
+            reply = await bus.admit_many(["g2", "g3"], 2, version=1)
+            assert reply == {"verdicts": ["ok", "ok"], "staleness": "inf"}
+            with pytest.raises(BusError, match="list of group ids"):
+                await bus.admit_many([], 2, version=1)
+    finally:
+        await sup.__aexit__(None, None, None)
+
+
+async def test_admit_many_waits_for_room_only_for_its_first_group(tmp_path) -> None:
+    sup, url = await start_bus(tmp_path, tasks=["train"], staleness="inf", capacity=2)
+    try:
+        async with await BusClient.connect(url) as bus:
+            assert (await bus.admit_many(["a"], 2, version=0))["verdicts"] == ["ok"]
+            assert (await bus.admit_many(["b"], 2, version=0, wait=0))["verdicts"] == ["full"]
+            pending = asyncio.create_task(bus.admit_many(["b", "c"], 2, version=0, wait=10))
+            done, _ = await asyncio.wait({pending}, timeout=0.2)
+            assert not done, "a full bus must hold the first group's admission"
+            await bus.put(rows("a", 2))
+            async with bus.take("train", batch_size=2):
+                pass  # a finishes: room for b, none for c behind it
+            assert (await asyncio.wait_for(pending, 10))["verdicts"] == ["ok", "full"]
+    finally:
+        await sup.__aexit__(None, None, None)
+
+
+async def test_admit_many_ahead_waits_for_a_dropped_group_or_the_trainer(tmp_path) -> None:
+    sup, url = await start_bus(tmp_path, tasks=["reward", "train"], staleness=0, batch_size=4)
+    try:
+        async with await BusClient.connect(url) as bus:
+            assert (await bus.admit_many(["g0", "g1"], 2, version=0))["verdicts"] == ["ok", "ok"]
+            pending = asyncio.create_task(bus.admit_many(["g2"], 2, version=0, wait=10))
+            done, _ = await asyncio.wait({pending}, timeout=0.2)
+            assert not done, "version 0 is full: g2 must wait"
+            await bus.put(rows("g0", 2) + rows("g1", 2))
+            batch = await bus.take_batch("reward", batch_size=4, wait=0)
+            failed = [r for r in batch.rows if r["group"] == "g1"]
+            await bus.release(replace(batch, rows=failed), drop="reward_failed")
+            # g1's reward failed: its group is gone, and version 0 has room for g2 again.
+            assert (await asyncio.wait_for(pending, 10))["verdicts"] == ["ok"]
+            pending = asyncio.create_task(bus.admit_many(["g3"], 2, version=0, wait=10))
+            done, _ = await asyncio.wait({pending}, timeout=0.2)
+            assert not done
+            await bus.set_trainer_version(1)  # the trainer moved on: sync weights, at once
+            assert (await asyncio.wait_for(pending, 10))["verdicts"] == ["behind"]
+    finally:
+        await sup.__aexit__(None, None, None)
+
+
+async def test_producers_taking_turns_wait_for_the_holder_to_end_its_turn(tmp_path) -> None:
+    sup, url = await start_bus(tmp_path, tasks=["rollout"], trainer_task="rollout")
+    try:
+        async with (
+            await BusClient.connect(url, client_id="rollout-0") as a,
+            await BusClient.connect(url, client_id="rollout-1") as b,
+        ):
+            await a.put([r for g in ("p0", "p1", "p2") for r in rows(g)])
+            first = await a.take_batch("rollout", batch_size=2, wait=0, turn=True)
+            assert [r["uid"] for r in first.rows] == ["p0/0", "p1/0"]
+            second = asyncio.create_task(b.take_batch("rollout", batch_size=2, wait=10, turn=True))
+            done, _ = await asyncio.wait({second}, timeout=0.2)
+            assert not done, "a turn-take must wait while another holder has the turn"
+            # a admitted p0 only: p1 goes back, in its place, and the turn ends, in one call.
+            await a.release(replace(first, rows=first.rows[1:]), end_turn=True)
+            batch = await asyncio.wait_for(second, 10)
+            assert [r["uid"] for r in batch.rows] == ["p1/0", "p2/0"]
+            await b.release(replace(batch, rows=[]), end_turn=True)  # all admitted: only the turn
+            assert (await a.take_batch("rollout", batch_size=2, wait=0, turn=True)).rows == []
     finally:
         await sup.__aexit__(None, None, None)
 

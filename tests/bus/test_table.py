@@ -86,6 +86,39 @@ def test_expired_lease_returns_rows_and_late_ack_of_old_attempt_is_ignored() -> 
     assert n == 0 and t.trained == 1
 
 
+def test_turn_takes_are_granted_one_at_a_time() -> None:
+    t = table(tasks=("rollout",), trainer_task="rollout")
+    for name in ("p0", "p1", "p2", "p3"):
+        t.put(rows(name, 1))
+    _, a = t.take("rollout", batch_size=1, holder="a", turn=True)
+    assert a is not None and list(a.items) == ["p0-0"]
+    assert t.take("rollout", batch_size=1, holder="b", turn=True) == ([], None)  # a's turn
+    _, plain = t.take("rollout", batch_size=1, holder="c")  # takes without turns never wait
+    assert plain is not None and list(plain.items) == ["p1-0"]
+    # The holder taking again (a restarted holder, say) carries the turn on to the new lease.
+    _, a2 = t.take("rollout", batch_size=1, holder="a", turn=True)
+    assert a2 is not None and list(a2.items) == ["p2-0"]
+    assert not t.end_turn("rollout", a.id)  # that lease's turn was carried on
+    assert t.take("rollout", batch_size=1, holder="b", turn=True) == ([], None)
+    assert t.end_turn("rollout", a2.id)
+    _, b = t.take("rollout", batch_size=1, holder="b", turn=True)
+    assert b is not None and list(b.items) == ["p3-0"]
+
+
+def test_a_turn_ends_with_its_lease() -> None:
+    t = table(tasks=("rollout",), trainer_task="rollout")
+    for name in ("p0", "p1", "p2"):
+        t.put(rows(name, 1))
+    _, a = t.take("rollout", batch_size=1, holder="a", turn=True, lease_timeout=10, now=0)
+    assert t.take("rollout", batch_size=1, holder="b", turn=True, now=1) == ([], None)
+    t.release("rollout", list(a.items.items()))  # released: the lease, and the turn, end
+    _, b = t.take("rollout", batch_size=1, holder="b", turn=True, lease_timeout=10, now=2)
+    assert b is not None and list(b.items) == ["p0-0"]  # released rows keep their place
+    t.expire(now=13)  # b went silent: its lease expires, and its turn with it
+    _, a = t.take("rollout", batch_size=2, holder="a", turn=True, now=13)
+    assert a is not None and list(a.items) == ["p0-0", "p1-0"]
+
+
 def test_whole_groups_only_and_token_budget() -> None:
     t = table(tasks=("train",))
     t.put(rows("a", 2, response_ids=[1] * 10)[:1])  # half a group

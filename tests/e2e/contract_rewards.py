@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import zlib
 
 from relax.rewards import Sample
 
@@ -43,3 +44,11 @@ def batched_sum(responses: list[str], samples: list[Sample], *, log: str) -> lis
     with open(log, "a") as f:
         f.write(json.dumps({"batch": len(samples), "uids": [s.uid for s in samples]}) + "\n")
     return [float(sum(s["operands"]) == s.answer) for s in samples]
+
+
+def fails_for_some_prompts(response: str, sample: Sample) -> float:
+    """A flaky reward: raises for about one prompt in eight (the same prompts every run, so the
+    groups a run drops are known), else whether the response starts with a digit."""
+    if zlib.crc32(sample.group.encode()) % 8 == 0:
+        raise RuntimeError(f"the reward service failed for {sample.group}")
+    return float(response[:1].isdigit())
