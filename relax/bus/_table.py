@@ -34,7 +34,7 @@ from typing import Any
 from relax.bus._columns import check_columns, check_rows
 from relax.bus._table_state import Item, Lease, Row, TableState, plain_value
 from relax.errors import BadRow, BusError, ColumnConflict, UnknownTask  # re-exported here
-from relax.schema import Op, Staleness
+from relax.schema import BusStatistics, Op, Staleness
 from relax.transport import RawTensor
 
 
@@ -273,6 +273,12 @@ class BusTable(TableState):
         if turn:
             self.turns[task] = (lease_op["id"], holder)
         return ops, self.leases[lease_op["id"]]
+
+    def statistics(self) -> BusStatistics:
+        stats = super().statistics()
+        # Who holds each task's turn: a producer waiting for its lease shows whom it waits on.
+        stats["turns"] = {t: h for t, (lease, h) in self.turns.items() if lease in self.leases}
+        return stats
 
     def _turn_free(self, task: str, holder: str) -> bool:
         held = self.turns.get(task)

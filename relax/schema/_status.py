@@ -105,6 +105,8 @@ class BusStatistics(TypedDict, total=False):
     versions_in_flight: dict[str, int]
     """Rows on the bus per policy version (keys are the versions as text)."""
     counters: dict[str, int]
+    turns: dict[str, str]
+    """Per task, the client holding its turn (``take(turn=True)``), if any."""
     service: dict[str, int]
     weights: WeightsStatistics
     log: dict[str, Any]

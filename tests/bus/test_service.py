@@ -189,11 +189,13 @@ async def test_producers_taking_turns_wait_for_the_holder_to_end_its_turn(tmp_pa
             second = asyncio.create_task(b.take_batch("rollout", batch_size=2, wait=10, turn=True))
             done, _ = await asyncio.wait({second}, timeout=0.2)
             assert not done, "a turn-take must wait while another holder has the turn"
+            assert (await b.statistics())["turns"] == {"rollout": "rollout-0"}
             # a admitted p0 only: p1 goes back, in its place, and the turn ends, in one call.
             await a.release(replace(first, rows=first.rows[1:]), end_turn=True)
             batch = await asyncio.wait_for(second, 10)
             assert [r["uid"] for r in batch.rows] == ["p1/0", "p2/0"]
             await b.release(replace(batch, rows=[]), end_turn=True)  # all admitted: only the turn
+            assert (await b.statistics())["turns"] == {}
             assert (await a.take_batch("rollout", batch_size=2, wait=0, turn=True)).rows == []
     finally:
         await sup.__aexit__(None, None, None)

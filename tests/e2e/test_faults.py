@@ -24,6 +24,7 @@ import pytest
 
 from relax import cluster
 from relax.config import load_config
+from relax.roles._common import STALL_AT_ENV
 from tests.actors.helpers import restarted, running_pid
 from tests.e2e.audit import (
     applied_steps,
@@ -155,3 +156,41 @@ async def test_roles_sigkilled_mid_run_lose_nothing_and_train_nothing_twice(tmp_
     # after generating retried its prompts: the row equals one of the recorded calls).
     regen = report.regenerated
     assert regen is not None and regen.unrecorded == 0 and regen.identical == regen.rows, regen
+
+
+@pytest.mark.timeout(240)
+async def test_a_rollout_killed_holding_its_turn_holds_up_nothing(tmp_path, monkeypatch) -> None:
+    # Staleness 0, two rollout processes: they take turns from lease to admission. Replica 1
+    # is held (a test hook) right after leasing with the turn, and SIGKILLed there: the other
+    # replica waits for the turn meanwhile. Its restarted self, under the same client name,
+    # takes the turn on (and its dead self's lease expires): the run finishes, nothing lost,
+    # nothing trained twice.
+    monkeypatch.setenv(STALL_AT_ENV, "after_lease@rollout-1=120")
+    overrides = [
+        "staleness=0",
+        "rollout.replicas=2",
+        'rollout.placement="process"',
+        "bus.lease_timeout=5",
+        "trainer.steps=12",
+    ]
+    cfg = load_config(RECIPE, overrides=overrides)
+    steps = cfg.trainer.steps
+    layout = cluster.prepare(cfg, tmp_path / "run")
+    run_dir = layout.run_dir
+    held = run_dir / "stalled-at-after_lease@rollout-1"
+    with captured_logs(tmp_path / "run.log") as log_file, _hang_explained(log_file):
+        async with cluster.build_tree(cfg, layout) as tree:
+            finished = asyncio.create_task(tree.wait())
+            await wait_until(held.exists, timeout=120, what="rollout-1 held with its turn")
+            pid = await running_pid(tree, "rollout-1", timeout=60)
+            os.kill(pid, signal.SIGKILL)
+            await restarted(tree, "rollout-1", pid, timeout=60)
+            await asyncio.wait_for(finished, 180)
+            snap = await tree.snapshot()
+    restarts = {c["id"]: c["restart_count"] for c in snap["children"]}
+    assert restarts["rollout-1"] == 1 and restarts["rollout-0"] == 0, restarts
+    check_metrics(read_metrics(run_dir), steps)
+    ledger = replay_samples_bus(run_dir)
+    check_exactly_once(ledger)
+    assert ledger.versions == list(range(1, steps + 1)), ledger.versions
+    assert check_trainer_ledger(run_dir, ledger)["steps"] == steps
