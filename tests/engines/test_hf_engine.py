@@ -154,3 +154,29 @@ def test_an_offered_update_whose_caller_gave_up_is_dropped_without_harm(tiny_dir
     assert offered is not None and offered.cancel()  # the awaiting task was cancelled
     engine._apply_pending()  # what the generation thread does between two tokens
     assert engine.version == 0
+
+
+def test_per_row_draws_follow_each_rows_distribution() -> None:
+    from relax.engines._hf import _draw_per_row
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0], [0.1, 0.0, 0.0, 0.0, 0.0, 0.9]])
+    generators = [torch.Generator().manual_seed(s) for s in (1, 2)]
+    draws = torch.stack([_draw_per_row(probs, generators) for _ in range(20_000)])
+    for row in range(2):
+        counts = torch.bincount(draws[:, row], minlength=6).double() / len(draws)
+        assert counts[probs[row] == 0].sum() == 0  # a token of probability 0 is never drawn
+        assert torch.allclose(counts, probs[row].double(), atol=0.015), counts
+    # A row draws from its own generator alone: the same tokens without the other row.
+    again = torch.Generator().manual_seed(2)
+    alone = torch.stack([_draw_per_row(probs[1:], [again]) for _ in range(20_000)])
+    assert torch.equal(alone[:, 0], draws[:, 1])
+
+
+def test_an_inverse_cdf_draw_at_the_very_end_stays_on_a_drawable_token() -> None:
+    from relax.engines._hf import _inverse_cdf
+
+    probs = torch.tensor([[0.25, 0.75, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    # u = 1 (a uniform rounded up to the row's total) would fall past the last token.
+    assert _inverse_cdf(probs, torch.ones(3, dtype=torch.float64)).tolist() == [1, 2, 0]
+    assert _inverse_cdf(probs, torch.zeros(3, dtype=torch.float64)).tolist() == [0, 0, 0]
+    assert _inverse_cdf(probs, torch.full((3,), 0.3, dtype=torch.float64)).tolist() == [1, 0, 0]
