@@ -828,11 +828,11 @@ def _draw_per_row(probs: torch.Tensor, generators: list[torch.Generator]) -> tor
     """One token per row of ``probs``, row ``i`` drawing from ``generators[i]`` alone (one
     uniform per row and step: a row draws the same whatever else is in the batch).
 
-    By inverse CDF over the whole batch at once: ``torch.multinomial`` once per row cost
-    ~20 µs a row on a 261-token vocabulary and 0.8 ms a row on a 32k one (CPU, one thread:
-    12 vs 0.6 ms a decode step for 16 rows; 208 vs 29 ms for 64 rows of a 152k vocabulary;
-    ``bench/seeded_draws.py``). Even one ``torch.multinomial`` for the whole batch took 60 /
-    328 ms for 64 rows of a 32k / 152k vocabulary, so unseeded rows draw this way too.
+    By inverse CDF over the whole batch at once. ``torch.multinomial`` once per row cost
+    ~20 µs a row on a 261-token vocabulary (CPU, one thread, ``bench/seeded_draws.py``:
+    10.9 vs 0.8 ms a decode step for 16 rows of a 32k vocabulary, 203 vs 27 ms for 64 rows of
+    a 152k one), and one ``torch.multinomial`` for the whole batch was no better (10.5 / 216
+    ms), so rows that share a generator draw by inverse CDF too (``_sample``).
     """
     u = torch.stack(
         [torch.rand((), dtype=torch.float64, generator=g, device=g.device) for g in generators]
