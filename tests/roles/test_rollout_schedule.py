@@ -67,7 +67,9 @@ def test_shortest_first_is_for_single_replies() -> None:
 async def test_groups_come_out_as_their_last_sample_ends_with_stop_strings_cut(
     tmp_path: Path,
 ) -> None:
-    model = spread_lengths(tiny_model(tmp_path))
+    # A widely spread policy: groups end at 4-8 different lengths for every seed 0-7 (at the
+    # default scale most groups ran to the cap, and a spread hung on the seed's luck).
+    model = spread_lengths(tiny_model(tmp_path), scale=60)
     engine = HFEngine.from_pretrained(model, tokenizer=model)
     cfg = parse_config(tiny_toml("groups", max_new_tokens=16, rollout='stop = ["a"]\nseed = 3'))
     heard: list[tuple[int, list[Any]]] = []
