@@ -81,7 +81,7 @@ from relax.engines._base import (
 from relax.engines._vllm_loop import Call, StepLoop, mix_seed
 from relax.engines._vllm_lora import VllmAdapters, check_served, max_lora_rank
 from relax.errors import ConfigError, ConfigIssue
-from relax.models import load_tokenizer
+from relax.models import load_tokenizer, one_build_at_a_time
 
 _ENV_DEFAULTS = {
     # vLLM's internal sockets otherwise bind a non-loopback address.
@@ -217,7 +217,7 @@ def _expected_weights(config: Any) -> tuple[dict[str, tuple[int, ...]], list[lis
 
     Built on the meta device: no memory, no init cost, any size.
     """
-    with torch.device("meta"):
+    with torch.device("meta"), one_build_at_a_time():
         model = AutoModelForCausalLM.from_config(config)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     by_param: dict[int, list[str]] = {}

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from relax.config import LoraConfig
 from relax.engines._base import EngineError
 from relax.errors import ConfigError, ConfigIssue
-from relax.models import adapter_problems, apply_lora, save_adapter
+from relax.models import adapter_problems, apply_lora, one_build_at_a_time, save_adapter
 
 NOT_SERVED = ("lm_head", "embed_tokens")
 """Modules vLLM (0.32) serves no adapter on: only the decoder blocks' linear layers."""
@@ -65,7 +65,7 @@ class VllmAdapters:
         check_served(cfg)
         self.cfg, self.base = cfg, base
         # The adapter's names and shapes, from a model built on the meta device (free).
-        with torch.device("meta"):
+        with torch.device("meta"), one_build_at_a_time():
             self._shapes_model = apply_lora(AutoModelForCausalLM.from_config(config), cfg)
         self._folder = Path(tempfile.mkdtemp(prefix="relax-vllm-lora-"))
         self._next_id = 1

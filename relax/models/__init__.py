@@ -21,6 +21,11 @@ LoRA (``[model.lora]``, needs ``peft``): ``apply_lora(model, cfg)`` injects adap
 named so they are never mistaken for full weights (``is_adapter_name``); ``save_adapter`` /
 ``read_adapter`` use peft's folder layout and ``merge_lora`` writes a merged plain model folder.
 
+transformers builds a model with process-wide patches, so two threads building at once break
+every later load in the process: everything here builds under ``one_build_at_a_time()`` (also
+for code outside Relax sharing the process), and ``load_pretrained`` takes it and refuses a
+model left with weights on the meta device (``check_materialised``).
+
 Generation lives in ``relax.engines``, which loads its models through this package. This
 package imports torch, transformers, tokenizers, NumPy, Pillow and ``relax.errors`` /
 ``relax.config`` only (and ``peft`` when an adapter is used).
@@ -29,6 +34,7 @@ package imports torch, transformers, tokenizers, NumPy, Pillow and ``relax.error
 from __future__ import annotations
 
 from relax.errors import EngineError
+from relax.models._build import check_materialised, load_pretrained, one_build_at_a_time
 from relax.models._lora import (
     adapter_parameters,
     adapter_problems,
@@ -109,6 +115,7 @@ __all__ = [
     "build_omni_tokenizer",
     "build_tiny_model",
     "build_tiny_omni_model",
+    "check_materialised",
     "check_replayable",
     "check_vocab",
     "collate_mm_inputs",
@@ -120,6 +127,7 @@ __all__ = [
     "load_adapter_state",
     "load_omni_processor",
     "load_policy",
+    "load_pretrained",
     "load_processor",
     "load_tokenizer",
     "lora_config",
@@ -127,6 +135,7 @@ __all__ = [
     "merge_lora",
     "moe_shape",
     "omni_processor",
+    "one_build_at_a_time",
     "pad_token_id",
     "processor_kwargs",
     "read_adapter",

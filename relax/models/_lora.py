@@ -257,11 +257,13 @@ def merge_lora(base: str | Path, adapter: str | Path, out: str | Path) -> list[s
     (``W + alpha/r · B·A``, peft's ``merge_and_unload``) as a plain Hugging Face model folder
     at ``out`` (weights, ``config.json``, ``generation_config.json``; no tokenizer). Returns
     the file names written."""
+    from relax.models._build import load_pretrained, one_build_at_a_time
     from relax.models._multimodal import policy_class
 
     peft = import_peft()
-    model = policy_class(Path(base)).from_pretrained(str(base), dtype=torch.float32)
-    merged = peft.PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    model = load_pretrained(policy_class(Path(base)), str(base), dtype=torch.float32)
+    with one_build_at_a_time():
+        merged = peft.PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(str(target))

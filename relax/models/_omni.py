@@ -49,6 +49,7 @@ from transformers import (
 
 from relax.config import ModelInitConfig
 from relax.errors import ConfigError, ConfigIssue
+from relax.models._build import one_build_at_a_time
 from relax.models._tokenizers import BOS, EOS, PAD, build_byte_tokenizer, stop_token_ids
 from relax.models._video_processor import (
     NumpyQwen2VLVideoProcessor,
@@ -334,7 +335,7 @@ def build_tiny_omni(
     )
     tokenizer = processor.tokenizer
     config = tiny_omni_config(tokenizer, init)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), one_build_at_a_time():
         torch.manual_seed(init.seed)
         model_class = (
             Qwen3OmniMoeThinkerForConditionalGeneration

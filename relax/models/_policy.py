@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from relax.errors import ConfigError, ConfigIssue
+from relax.models._build import load_pretrained
 from relax.models._multimodal import policy_class
 from relax.models._tokenizers import check_vocab, load_tokenizer
 
@@ -60,8 +61,8 @@ def load_policy(
     tok = load_tokenizer(
         tokenizer if tokenizer is not None else folder, trust_remote_code=trust_remote_code
     )
-    model = policy_class(folder).from_pretrained(
-        folder, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
+    model = load_pretrained(
+        policy_class(folder), folder, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
     )
     check_vocab(model.get_input_embeddings().num_embeddings, tok, key="model.path")
     model.eval()

@@ -23,6 +23,7 @@ from transformers import (
 
 from relax.config import ModelInitConfig
 from relax.errors import ConfigError, ConfigIssue
+from relax.models._build import one_build_at_a_time
 from relax.models._omni import OMNI_ARCHS, build_tiny_omni
 from relax.models._tokenizers import build_byte_tokenizer, check_vocab, stop_token_ids
 
@@ -91,7 +92,7 @@ def build_tiny_model(
     )
     check_vocab(init.vocab_size, tokenizer)
     config = _model_config(init, tokenizer)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), one_build_at_a_time():
         torch.manual_seed(init.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(

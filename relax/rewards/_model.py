@@ -66,12 +66,12 @@ class ModelVerifier(Verifier):
         raise NotImplementedError
 
     def _load_parts(self, model_class: Any) -> None:
-        from relax.models import load_tokenizer, resolve_device, torch_dtype
+        from relax.models import load_pretrained, load_tokenizer, resolve_device, torch_dtype
 
         cfg = self.model_config
         self.device = resolve_device(cfg.device)
         self.tokenizer = load_tokenizer(self.folder)
-        model = model_class.from_pretrained(self.folder, dtype=torch_dtype(cfg.dtype))
+        model = load_pretrained(model_class, self.folder, dtype=torch_dtype(cfg.dtype))
         self.model = model.to(self.device).eval()
 
     def score_batch(self, responses: list[str], samples: list[Sample]) -> list[Any]:

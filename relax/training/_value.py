@@ -34,6 +34,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from relax.algos import gae_advantages, kl_divergence, masked_mean, sequence_to_token_rewards
 from relax.config import AlgorithmConfig
+from relax.models import load_pretrained, one_build_at_a_time
 from relax.schema import LOGPROBS, RESPONSE_IDS, REWARD, VALUES
 from relax.training import _checkpoint as ckpt
 from relax.training._batch import Batch, Row, pack_batch, response_values
@@ -88,14 +89,15 @@ class ValueModel(nn.Module):
         torch_dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
         if (path / VALUE_FILE).is_file():
             config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-            body = AutoModel.from_config(
-                config, dtype=torch_dtype, trust_remote_code=trust_remote_code
-            )
+            with one_build_at_a_time():
+                body = AutoModel.from_config(
+                    config, dtype=torch_dtype, trust_remote_code=trust_remote_code
+                )
             model = cls(body, config.hidden_size)
             model.load_state_dict(load_file(str(path / VALUE_FILE)))
             return model
-        causal = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, trust_remote_code=trust_remote_code
+        causal = load_pretrained(
+            AutoModelForCausalLM, path, dtype=torch_dtype, trust_remote_code=trust_remote_code
         )
         body = causal.base_model
         return cls(body, body.config.hidden_size)
