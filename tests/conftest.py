@@ -14,3 +14,37 @@ def anyio_backend() -> str:
 def events_file(tmp_path):
     """A file that actors (in this process or in children) append lifecycle events to."""
     return str(tmp_path / "events.log")
+
+
+_PATCHED_WHILE_BUILDING = ("tie_weights", "init_weights")
+"""What transformers swaps for no-ops on ``PreTrainedModel`` while it builds a model."""
+
+
+@pytest.fixture(autouse=True)
+def _transformers_left_intact():
+    """Fail the test that leaves transformers' building patches in place (two threads building
+    at once do), instead of every later test in the worker that loads a model."""
+    import sys
+
+    modeling = sys.modules.get("transformers.modeling_utils")
+    before = (
+        {n: getattr(modeling.PreTrainedModel, n) for n in _PATCHED_WHILE_BUILDING}
+        if modeling
+        else None
+    )
+    yield
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None:
+        return
+    cls = modeling.PreTrainedModel
+    if before is None:  # imported during this test: the originals are named functions
+        broken = [n for n in _PATCHED_WHILE_BUILDING if getattr(cls, n).__name__ != n]
+    else:
+        broken = [n for n in _PATCHED_WHILE_BUILDING if getattr(cls, n) is not before[n]]
+        for name in broken:
+            setattr(cls, name, before[name])
+    if broken:
+        pytest.fail(
+            f"this test left PreTrainedModel.{', '.join(broken)} patched (a model built"
+            " in two threads at once)"
+        )
