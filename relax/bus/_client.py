@@ -18,6 +18,7 @@ bus deduplicates, so a retried put or ack counts once.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import uuid
 from collections.abc import AsyncIterator, Iterable
@@ -74,6 +75,8 @@ class BusClient:
 
     def __init__(self, rpc: Any) -> None:
         self._rpc = rpc
+        self._take_prefix = uuid.uuid4().hex[:16]  # tells this client's takes from others'
+        self._take_ids = itertools.count()
 
     @classmethod
     async def connect(
@@ -201,6 +204,9 @@ class BusClient:
                 "wait": wait,
                 "trainer_version": trainer_version,
                 "turn": turn,
+                # Resent unchanged if the bus restarts before answering: the same lease comes
+                # back instead of a second one (the first's rows stranded until it expired).
+                "take_id": f"{self._take_prefix}-{next(self._take_ids)}",
             },
             wait,
         )

@@ -17,6 +17,7 @@ import concurrent.futures
 import os
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,7 @@ class BusService(Actor):
     ) -> None:
         self.url = url
         self.run_dir = run_dir
+        self._granted: Counter[str] = Counter()  # leases per task since start (a test hook)
         self.table = BusTable(
             tasks=tuple(tasks),
             trainer_task=trainer_task,
@@ -280,6 +282,7 @@ class BusService(Actor):
                 now=time.time(),
                 trainer_version=req.get("trainer_version"),
                 turn=bool(req.get("turn")),
+                take_id=req.get("take_id"),
             )
             if lease is None:
                 dropped.extend(ops)
@@ -291,6 +294,9 @@ class BusService(Actor):
             return None
         ops, lease = found
         await self._commit(ops)
+        if ops:  # a lease granted (not one given again to a retried take)
+            self._granted[lease.task] += 1
+            _kill_point(self.run_dir, f"after_lease_{lease.task}", self._granted[lease.task])
         rows: list[TakenRow] = []
         for uid, attempt_no in lease.items.items():
             row = self.table.rows[uid]
@@ -326,10 +332,12 @@ class BusService(Actor):
         return n
 
     async def _op_release(self, req: dict[str, Any], peer: Peer) -> None:
-        await self._commit(
-            self.table.release(req["task"], [tuple(i) for i in req["items"]], drop=req.get("drop"))
+        ops = self.table.release(
+            req["task"], [tuple(i) for i in req["items"]], drop=req.get("drop")
         )
-        if req.get("end_turn") and self.table.end_turn(req["task"], int(req["lease"])):
+        ended = self.table.end_turn(req["task"], int(req["lease"])) if req.get("end_turn") else []
+        await self._commit(ops + ended)  # one log record: the turn ends with the release
+        if ended:
             async with self.changed:  # the next turn-take may go now
                 self.changed.notify_all()
 
@@ -659,11 +667,13 @@ class BusService(Actor):
 
 KILL_AT_ENV = "RELAX_BUS_KILL_AT"
 """Test hook: a bus whose process has this set to a point of the weights commit protocol
-(``before_upload``, ``mid_upload``, ``after_weights_file``, ``after_commit_record``; and
-``before_journal``: a compaction's log records written, its journal delta not), optionally
-``@<version>`` (e.g. ``after_weights_file@3``: only in that version's commit), SIGKILLs itself
-there, once per run folder (a marker file records it), so fault tests hit that exact point
-instead of racing for it."""
+(``before_upload``, ``mid_upload``, ``after_weights_file``, ``after_commit_record``), to
+``before_journal`` (a compaction's log records written, its journal delta not) or to
+``after_lease_<task>`` (a take's lease logged, its reply not sent), optionally ``@<n>``
+(``after_weights_file@3``: in version 3's commit only; ``after_lease_train@4``: at the 4th
+"train" lease this bus process granted),
+SIGKILLs itself there, once per run folder (a marker file records it), so fault tests hit
+that exact point instead of racing for it."""
 
 
 def _kill_point(run_dir: str | None, point: str, version: int) -> None:

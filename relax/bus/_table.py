@@ -99,12 +99,6 @@ def _fill(
 class BusTable(TableState):
     """Decides what each call does, as the ops it applies. See the module docstring."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        # Per task, the lease (id, holder) whose holder has the turn (``take(turn=True)``).
-        # A decision aid, not state: never logged, so a restarted bus starts with no turns.
-        self.turns: dict[str, tuple[int, str]] = {}
-
     # ------------------------------------------------------------------ decisions
 
     def put(self, rows: list[dict[str, Any]], *, checked: bool = False) -> list[Op] | None:
@@ -214,6 +208,7 @@ class BusTable(TableState):
         now: float = 0.0,
         trainer_version: int | None = None,
         turn: bool = False,
+        take_id: str | None = None,
     ) -> tuple[list[Op], Lease | None]:
         """Lease up to ``batch_size`` ready rows to ``task``; ``None`` if fewer than ``min_rows``.
 
@@ -229,9 +224,19 @@ class BusTable(TableState):
         then another holder's turn-take gets nothing (it waits). Producers that lease work and
         then ask for admission take turns so that admission follows the queue's order: one
         producer held up between the two cannot see the next one's later rows admitted first.
+        Turns are logged (with the lease, and ``end_turn``): a restarted bus keeps them.
+
+        ``take_id``: the caller's id for this take. A take whose lease is logged but whose
+        reply was lost (the bus killed in between) comes again with the same id, and gets
+        the same lease back while it lasts: its rows are not leased to no one until the
+        lease runs out, and the queue's order is kept.
         """
         if task not in self.tasks:
             raise UnknownTask(f"unknown consumer task {task!r}; the bus serves {list(self.tasks)}")
+        if take_id is not None:
+            granted = self.leases.get(self.lease_of_take.get(take_id, -1))
+            if granted is not None and granted.task == task:
+                return [], granted
         if turn and not self._turn_free(task, holder):
             return [], None
         ops: list[Op] = []
@@ -268,10 +273,12 @@ class BusTable(TableState):
             "deadline": now + lease_timeout,
             "items": [[r.uid, r.progress[task][1] + 1] for r in chosen],
         }
+        if take_id is not None:
+            lease_op["take_id"] = take_id
+        if turn:
+            lease_op["turn"] = True
         self._apply(lease_op)
         ops.append(lease_op)
-        if turn:
-            self.turns[task] = (lease_op["id"], holder)
         return ops, self.leases[lease_op["id"]]
 
     def statistics(self) -> BusStatistics:
@@ -284,14 +291,13 @@ class BusTable(TableState):
         held = self.turns.get(task)
         return held is None or held[1] == holder or held[0] not in self.leases
 
-    def end_turn(self, task: str, lease: int) -> bool:
-        """Lease ``lease`` gives up ``task``'s turn (see ``take``); False if it did not hold
-        it (ended already, or taken over by its holder's next take)."""
+    def end_turn(self, task: str, lease: int) -> list[Op]:
+        """Lease ``lease`` gives up ``task``'s turn (see ``take``): the op, or none if it did
+        not hold it (ended already, or taken over by its holder's next take)."""
         held = self.turns.get(task)
         if held is None or held[0] != lease:
-            return False
-        del self.turns[task]
-        return True
+            return []
+        return self._apply_all([{"op": "end_turn", "task": task, "lease": lease}])
 
     def trainer_at(self, hint: int | None) -> int:
         """The trainer's version for a take: the committed one, or the trainer's own when it

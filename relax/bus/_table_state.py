@@ -25,6 +25,7 @@ from relax.schema import (
     CommitOp,
     CountOp,
     DropOp,
+    EndTurnOp,
     ExpireOp,
     LeaseOp,
     Op,
@@ -130,6 +131,11 @@ class TableState:
         self.publishes: dict[int, str] = {}  # recent weights version -> its publish id
         self.next_lease = 1
         self.counters: Counter[str] = Counter()
+        # Per task, the lease (id, holder) holding the task's turn (``take(turn=True)``).
+        self.turns: dict[str, tuple[int, str]] = {}
+        # A take's id -> the lease it was granted: the same take retried (its reply lost with
+        # a killed bus) gets that lease again. Entries of ended leases are pruned in bulk.
+        self.lease_of_take: dict[str, int] = {}
 
     # ------------------------------------------------------------------ derived state
 
@@ -197,6 +203,18 @@ class TableState:
         self.leases[op["id"]] = Lease(op["id"], op["task"], op["holder"], op["deadline"], items)
         self.next_lease = max(self.next_lease, op["id"] + 1)
         self.counters["leases"] += 1
+        if op.get("turn"):
+            self.turns[op["task"]] = (op["id"], op["holder"])
+        if "take_id" in op:
+            if len(self.lease_of_take) > 2 * len(self.leases) + 64:
+                self.lease_of_take = {
+                    t: lease for t, lease in self.lease_of_take.items() if lease in self.leases
+                }
+            self.lease_of_take[op["take_id"]] = op["id"]
+
+    def _apply_end_turn(self, op: EndTurnOp) -> None:
+        if self.turns.get(op["task"], (None,))[0] == op["lease"]:
+            del self.turns[op["task"]]
 
     def _apply_ack(self, op: AckOp) -> None:
         for uid, attempt in op["items"]:
@@ -296,6 +314,7 @@ class TableState:
         "commit": _apply_commit,
         "state": _apply_state,
         "staleness": _apply_staleness,
+        "end_turn": _apply_end_turn,
     }
     """How each kind of op (``relax.schema.OpKind``) changes the table: the one place an op
     is applied, live or replayed from the log."""

@@ -80,6 +80,7 @@ OpKind = Literal[
     "commit",
     "state",
     "staleness",
+    "end_turn",
 ]
 OP_KINDS: tuple[str, ...] = typing.get_args(OpKind)
 """Every kind of op the bus table applies (and its log holds)."""
@@ -106,6 +107,17 @@ class LeaseOp(TypedDict):
     holder: str
     deadline: float
     items: Items
+    take_id: NotRequired[str]
+    """The take that asked for it: its retry (the reply lost with a killed bus) gets this lease
+    again instead of a second one."""
+    turn: NotRequired[bool]
+    """The lease holds its task's turn (``take(..., turn=True)``) until an ``end_turn``."""
+
+
+class EndTurnOp(TypedDict):
+    op: Literal["end_turn"]
+    task: str
+    lease: int
 
 
 class AckOp(TypedDict):
@@ -217,5 +229,6 @@ Op = (
     | CommitOp
     | StateOp
     | StalenessOp
+    | EndTurnOp
 )
 """One change to the bus table, as applied and logged."""

@@ -119,6 +119,50 @@ def test_a_turn_ends_with_its_lease() -> None:
     assert a is not None and list(a.items) == ["p0-0", "p1-0"]
 
 
+def replayed(t: BusTable, ops: list) -> BusTable:
+    """A fresh table that applied ``ops``: what a restarted bus rebuilds from its log."""
+    fresh = table(tasks=t.tasks, trainer_task=t.trainer_task)
+    for seq, op in enumerate(ops):
+        fresh.apply(op, seq)
+    return fresh
+
+
+def test_a_take_retried_with_its_id_gets_its_lease_again_on_a_restarted_bus() -> None:
+    t = table(tasks=("train",))
+    log = list(t.put(rows("g", 2)) or []) + list(t.put(rows("h", 2)) or [])
+    ops, first = t.take("train", batch_size=2, holder="a", take_id="a-0")
+    log += ops
+    # The bus is killed before its reply: the restarted one rebuilds from the log, and the
+    # client's retry (same request, same take id) gets the same lease, logging nothing new.
+    again = replayed(t, log)
+    ops, retried = again.take("train", batch_size=2, holder="a", take_id="a-0")
+    assert ops == [] and retried is not None
+    assert (retried.id, retried.items) == (first.id, first.items) == (1, {"g-0": 1, "g-1": 1})
+    # Another take (another id) gets the next rows; so does this id once its lease has ended.
+    _, other = again.take("train", batch_size=2, holder="a", take_id="a-1")
+    assert other is not None and list(other.items) == ["h-0", "h-1"]
+    again.release("train", list(retried.items.items()))
+    _, anew = again.take("train", batch_size=2, holder="a", take_id="a-0")
+    assert anew is not None and anew.id != first.id and anew.items == {"g-0": 2, "g-1": 2}
+
+
+def test_turns_are_logged_and_a_restarted_bus_keeps_them() -> None:
+    t = table(tasks=("rollout",), trainer_task="rollout")
+    log = []
+    for name in ("p0", "p1"):
+        log += t.put(rows(name, 1)) or []
+    ops, a = t.take("rollout", batch_size=1, holder="a", turn=True)
+    log += ops
+    again = replayed(t, log)
+    assert again.turns == {"rollout": (a.id, "a")}
+    assert again.take("rollout", batch_size=1, holder="b", turn=True) == ([], None)  # a's turn
+    log += t.end_turn("rollout", a.id)
+    again = replayed(t, log)
+    assert again.turns == {}
+    _, b = again.take("rollout", batch_size=1, holder="b", turn=True)
+    assert b is not None and list(b.items) == ["p1-0"]
+
+
 def test_whole_groups_only_and_token_budget() -> None:
     t = table(tasks=("train",))
     t.put(rows("a", 2, response_ids=[1] * 10)[:1])  # half a group

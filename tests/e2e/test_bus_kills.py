@@ -84,8 +84,10 @@ async def test_either_bus_killed_at_a_moment_of_the_run(tmp_path) -> None:
     # on. (A fixed step count "long enough" raced the machine's speed: 100 steps could end
     # before the second kill.)
     steps = 100_000
-    # A take whose reply died with the bus leaves its rows leased to no one until the lease
-    # runs out: a short lease keeps that wait (not an error) short.
+    # A take whose reply died with the bus gets its lease again when its client resends it
+    # (tests/e2e/test_sync.py); one whose client gave up first (its wait ran out while the
+    # bus was down) leaves its rows leased to no one until the lease runs out: a short lease
+    # keeps that wait (not an error) short.
     overrides = [*OVERRIDES, f"trainer.steps={steps}", "bus.lease_timeout=10"]
     cfg = load_config(RECIPE, overrides=overrides)
     layout = cluster.prepare(cfg, tmp_path / "run")

@@ -29,7 +29,8 @@ def test_each_kind_of_op_applies_through_the_table() -> None:
         {"op": "put", "rows": rows("g", 2)},
         {"op": "columns", "uid": "g/0", "columns": {"response_ids": [1, 2]}},
         {"op": "lease", "id": 1, "task": "train", "holder": "h", "deadline": 5.0,
-         "items": [["g/0", 1], ["g/1", 1]]},
+         "items": [["g/0", 1], ["g/1", 1]], "take_id": "t-0", "turn": True},
+        {"op": "end_turn", "task": "train", "lease": 1},
         {"op": "release", "task": "train", "items": [["g/1", 1]]},
         {"op": "ack", "task": "train", "items": [["g/0", 1]]},
         {"op": "expire", "id": 1},
@@ -46,6 +47,7 @@ def test_each_kind_of_op_applies_through_the_table() -> None:
     for seq, op in enumerate(ops):
         table.apply(op, seq)
     assert table.rows == {} and table.leases == {} and table.admissions == {}
+    assert table.turns == {} and table.lease_of_take == {"t-0": 1}  # pruned with later leases
     assert table.version == 3 and table.weights_version == 3 and table.publishes == {3: "p"}
     assert table.staleness == 2  # changed live (`relax set staleness`)
     counters = table.counters
