@@ -194,6 +194,9 @@ class TrainerRole(LearnerRole):
         self._publishing: asyncio.Task[None] | None = None
         self._resumed_from: int | None = None  # the version of the checkpoint loaded at start
         self._last_publish_s = 0.0  # how long the last step's publish held the loop
+        # When this step's first take began: takes that come back empty (each waits a few
+        # seconds) all count towards the step's take time, not only the last of them.
+        self._waiting_since: float | None = None
         # What `relax replay` needs ([trainer] record), written by rank 0 from its first step.
         self._recorder: RecordWriter | None = None
 
@@ -402,7 +405,9 @@ class TrainerRole(LearnerRole):
         """Take one batch, step, record; publish (acking the batch with the commit) or, for a
         skipped step, ack it flagged as skipped; checkpoint when due."""
         cfg = self.cfg
-        started = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = time.monotonic()
+        started = self._waiting_since
         if self._publishing is not None and self._publishing.done():
             await self._published_all()  # surface a failed publish at once
         async with bus.take(
@@ -419,7 +424,7 @@ class TrainerRole(LearnerRole):
         ) as batch:
             if not batch.rows:
                 return
-            took = time.monotonic() - started  # waiting for rows, and the bus's take
+            took = time.monotonic() - started  # waiting for rows, and the bus's take(s)
             if len(await without_poisoned(bus, batch, self.log)) < size:
                 # A poisoned group (e.g. reward = "high") was dropped: the rest of the batch
                 # goes back, to be taken again with other groups.
@@ -428,6 +433,7 @@ class TrainerRole(LearnerRole):
                 batch.rows = []
                 return
             self._holding_rows = True
+            self._waiting_since = None  # the next step's wait starts after this one
             # A fixed order (group, then uid) makes a step independent of the order
             # rows reached the bus: the same samples always give the same update.
             ordered = sorted(batch.rows, key=lambda r: (r["group"], r["uid"]))

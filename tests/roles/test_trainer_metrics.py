@@ -1,12 +1,27 @@
-"""The trainer's per-step batch metrics computed from the rows themselves."""
+"""The trainer's per-step metrics: batch metrics computed from the rows themselves, and how
+long a step waited for its rows."""
 
 from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from relax.roles._trainer import lag_histogram, length_metrics, token_version_metrics
+from relax.actors import ChildSpec, InProc
+from relax.bus import BusClient
+from relax.roles._trainer import (
+    TrainerRole,
+    lag_histogram,
+    length_metrics,
+    token_version_metrics,
+)
 from relax.schema import RESPONSE_IDS, TOKEN_VERSIONS
+from tests.polling import wait_until
+from tests.roles.helpers import bus_spec, config, sample_rows, start, tiny_model
 
 
 def row(version: int, tokens: int, versions: list[int] | None = None) -> dict:
@@ -28,3 +43,40 @@ def test_token_versions_give_the_resumed_share_and_the_token_lag() -> None:
     assert lag_histogram(6, [r["version"] for r in rows]) == {"1": 1, "2": 1, "3": 1}
     assert token_version_metrics([row(5, 3)], trainer_version=6) == {}
     assert length_metrics(rows) == {"response_length_mean": 3.0, "response_length_max": 4}
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_a_steps_take_time_counts_every_take_that_came_back_empty(tmp_path: Path) -> None:
+    # The trainer's takes wait 5 s each; rows arrive after one came back empty. take_time_s
+    # counted only the last take (about 1 s here), hiding a wait of any length — a bus restart
+    # that stranded a lease for 60 s showed as 4.9 s.
+    bus, url = bus_spec(["train"], tmp_path)
+    trainer = ChildSpec(
+        "trainer",
+        TrainerRole,
+        kwargs={
+            "config": config("steps = 1\n"),
+            "samples_url": url,
+            "model_dir": str(tiny_model(tmp_path)),
+            "run_dir": str(tmp_path / "run"),
+        },
+        placement=InProc(),
+        restart="transient",
+    )
+    sup = await start([bus, trainer])
+    try:
+        async with await BusClient.connect(url) as client:
+            started = time.monotonic()  # the trainer is running, its first take under way
+            await asyncio.sleep(6.0)  # the late rows this test is about: one empty take
+            await client.put(sample_rows(4, reward=[1.0, 0.0, 1.0, 0.0]))
+            arrived = time.monotonic() - started
+
+            async def trained() -> bool:
+                return (await client.statistics())["trainer_version"] >= 1
+
+            await wait_until(trained, 60.0, "one training step", interval=0.2)
+    finally:
+        await sup.__aexit__(None, None, None)
+    step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert arrived - 0.5 <= step["take_time_s"] <= arrived + 5.0, (arrived, step["take_time_s"])
