@@ -12,6 +12,7 @@ from relax.bus import BusClient, BusService, SegmentLog
 from relax.cluster import plain_config
 from relax.config import parse_config
 from relax.models import build_tiny_model
+from relax.roles._trainer import TrainerRole
 from relax.transport import dumps
 from tests.tiny import MODEL_INIT
 
@@ -118,4 +119,20 @@ def prompts_spec(url: str, run_dir: Path, rows: list[dict[str, Any]]) -> ChildSp
             "staleness": "inf",
         },
         placement=InProc(),
+    )
+
+
+def one_step_trainer(samples_url: str, tmp_path: Path) -> ChildSpec:
+    """A trainer of one step on the tiny model, in this process, writing ``tmp_path/run``."""
+    return ChildSpec(
+        "trainer",
+        TrainerRole,
+        kwargs={
+            "config": config("steps = 1\n"),
+            "samples_url": samples_url,
+            "model_dir": str(tiny_model(tmp_path)),
+            "run_dir": str(tmp_path / "run"),
+        },
+        placement=InProc(),
+        restart="transient",
     )

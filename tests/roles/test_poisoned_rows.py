@@ -18,10 +18,17 @@ from relax.roles._critic import CriticRole
 from relax.roles._reference import ReferenceRole
 from relax.roles._reward import RewardRole
 from relax.roles._rollout import RolloutRole
-from relax.roles._trainer import TrainerRole
 from relax.transport import dumps
 from tests.polling import wait_until
-from tests.roles.helpers import bus_spec, config, prompts_spec, sample_rows, start, tiny_model
+from tests.roles.helpers import (
+    bus_spec,
+    config,
+    one_step_trainer,
+    prompts_spec,
+    sample_rows,
+    start,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -76,18 +83,7 @@ async def test_the_trainer_drops_a_group_whose_reward_is_not_a_number(tmp_path: 
     rows[2]["columns"]["reward"] = "high"  # group g1, between two good groups
     plant(tmp_path / "samples", rows)
     bus, url = bus_spec(["train"], tmp_path)
-    role = ChildSpec(
-        "trainer",
-        TrainerRole,
-        kwargs={
-            "config": config("steps = 1\n"),
-            "samples_url": url,
-            "model_dir": str(tiny_model(tmp_path)),
-            "run_dir": str(tmp_path / "run"),
-        },
-        placement=InProc(),
-        restart="transient",
-    )
+    role = one_step_trainer(url, tmp_path)
     sup = await start([bus, role])
     try:
         async with await BusClient.connect(url) as client:

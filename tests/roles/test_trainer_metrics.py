@@ -11,17 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.actors import ChildSpec, InProc
 from relax.bus import BusClient
 from relax.roles._trainer import (
-    TrainerRole,
     lag_histogram,
     length_metrics,
     token_version_metrics,
 )
 from relax.schema import RESPONSE_IDS, TOKEN_VERSIONS
 from tests.polling import wait_until
-from tests.roles.helpers import bus_spec, config, sample_rows, start, tiny_model
+from tests.roles.helpers import bus_spec, one_step_trainer, sample_rows, start
 
 
 def row(version: int, tokens: int, versions: list[int] | None = None) -> dict:
@@ -52,18 +50,7 @@ async def test_a_steps_take_time_counts_every_take_that_came_back_empty(tmp_path
     # counted only the last take (about 1 s here), hiding a wait of any length — a bus restart
     # that stranded a lease for 60 s showed as 4.9 s.
     bus, url = bus_spec(["train"], tmp_path)
-    trainer = ChildSpec(
-        "trainer",
-        TrainerRole,
-        kwargs={
-            "config": config("steps = 1\n"),
-            "samples_url": url,
-            "model_dir": str(tiny_model(tmp_path)),
-            "run_dir": str(tmp_path / "run"),
-        },
-        placement=InProc(),
-        restart="transient",
-    )
+    trainer = one_step_trainer(url, tmp_path)
     sup = await start([bus, trainer])
     try:
         async with await BusClient.connect(url) as client:
