@@ -468,7 +468,15 @@ class LogMachine(RuleBasedStateMachine):
         torn = cut not in {0, *(end for _, end in frames)}
         self._forget_from(survivors[-1] + 1 if survivors else int(path.name[:20]))
         self.log = self._open()
-        assert self.log.statistics()["torn_tail_discarded"] == int(torn)
+        discarded = self.log.statistics()["torn_tail_discarded"]
+        if cut > (frames[-1][1] if frames else 0):
+            # Past the data: a recycled segment's leftovers (the file was a released one). An
+            # intact old record there is cut off as stale, one the cut went through as a torn
+            # tail; either way nothing of them is replayed (replay_matches_model).
+            assert discarded in (0, 1)
+            assert path.stat().st_size == (frames[-1][1] if frames else 0)  # leftovers gone
+        else:
+            assert discarded == int(torn)
 
     @rule(offset=st.integers(0, 10_000))
     def crash_damaged_last(self, offset: int) -> None:
