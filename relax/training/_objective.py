@@ -85,7 +85,9 @@ def loss_denominator(mask: torch.Tensor, agg: str) -> torch.Tensor:
     if agg == "token-mean":
         return mask.sum().to(torch.float32)
     if agg == "seq-mean-token-sum-norm":
-        return torch.tensor(float(mask.shape[0]), device=mask.device)
+        # Explicit float32, like the other two: torch's default dtype is process-wide, and a
+        # model being built in another thread (bf16, say) changes it for the duration.
+        return torch.tensor(float(mask.shape[0]), dtype=torch.float32, device=mask.device)
     return (mask.sum(dim=-1) > 0).sum().to(torch.float32)
 
 

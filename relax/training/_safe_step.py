@@ -296,7 +296,7 @@ class SafeStepBackend(TrainingBackend):
     ) -> torch.Tensor:
         """``loss`` plus the weighted load-balancing loss, and the routing metrics."""
         if route.tokens:
-            metrics["router_disagreement"] = torch.tensor(route.disagreement)
+            metrics["router_disagreement"] = torch.tensor(route.disagreement, dtype=torch.float32)
         aux = route.aux_loss
         if aux is None:
             return loss

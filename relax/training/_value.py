@@ -142,7 +142,7 @@ def clipped_value_loss(
     unclipped = (values - returns) ** 2
     if clip is None:
         loss_tok = unclipped
-        clip_frac = torch.zeros((), device=values.device)
+        clip_frac = torch.zeros((), dtype=torch.float32, device=values.device)
     else:
         moved = old_values + (values - old_values).clamp(-clip, clip)
         clipped = (moved - returns) ** 2

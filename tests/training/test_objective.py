@@ -254,3 +254,18 @@ def test_a_batch_whose_every_token_is_rejected_is_skipped(load_model) -> None:
     assert not result.applied
     assert result.skipped_reason == "the rollout correction rejected every token"
     assert result.metrics["rejected_seq_frac"] == 1.0
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm", "seq-mean-token-mean"])
+def test_loss_denominators_stay_float32_whatever_the_default_dtype(agg: str) -> None:
+    # torch's default dtype is process-wide, and transformers sets it while it builds a model:
+    # a bf16 model loading in another thread (an in-process role restarting) must not turn a
+    # step's denominator into bf16, where 257 rows count as 256.
+    mask = torch.ones(257, 1, dtype=torch.bool)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        got = loss_denominator(mask, agg)
+    finally:
+        torch.set_default_dtype(default)
+    assert got.dtype == torch.float32 and got.item() == 257.0
