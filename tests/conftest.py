@@ -48,3 +48,23 @@ def _transformers_left_intact():
             f"this test left PreTrainedModel.{', '.join(broken)} patched (a model built"
             " in two threads at once)"
         )
+
+
+@pytest.fixture(autouse=True)
+def _default_dtype_left_intact():
+    """Fail the test that leaves torch's default dtype changed (process-wide: transformers
+    sets it while it builds a model), instead of the later tests it would quietly move to
+    another precision."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    before = torch.get_default_dtype() if torch else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    now = torch.get_default_dtype()
+    expected = before or torch.float32
+    if now != expected:
+        torch.set_default_dtype(expected)
+        pytest.fail(f"this test left torch's default dtype at {now} (was {expected})")
