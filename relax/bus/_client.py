@@ -266,6 +266,20 @@ class BusClient:
             }
         )
 
+    async def reclaim(self) -> dict[str, int]:
+        """End everything held under this client's name (``client_id``): its leases, and the
+        weight plane's receivers that polled under it. Returns how many of each
+        (``{"leases": …, "weight_members": …}``).
+
+        For a process that takes over a name from a dead one (a restarted role): the rows its
+        predecessor had leased go back to the queue now instead of after the lease timeout,
+        and the next weights version is not held up waiting for the dead receiver to join.
+        Call it once, right after connecting and before taking or polling anything. Every
+        live client of a bus needs a name of its own: a reclaim ends the leases of whoever
+        shares it (no row is trained twice — their acks no longer count — but their work is
+        lost)."""
+        return await self._call({"op": "reclaim"})
+
     # ------------------------------------------------------------------ trainer and status
 
     async def set_trainer_version(self, version: int) -> int:

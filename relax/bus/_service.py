@@ -106,6 +106,9 @@ class BusService(Actor):
         # The weight plane's receivers, by the last time each polled (not logged: they poll
         # again within their lease after a bus restart).
         self.weight_members: dict[str, float] = {}
+        # Each receiver's client name (its last poll's): a new incarnation under that name
+        # (``reclaim``) means this receiver is dead.
+        self.weight_clients: dict[str, str] = {}
         # Receivers that left (a drained rollout): a poll of theirs still in flight must not
         # make them members again. Member ids are per incarnation, so this only grows by one
         # per stopped rollout.
@@ -341,6 +344,17 @@ class BusService(Actor):
             async with self.changed:  # the next turn-take may go now
                 self.changed.notify_all()
 
+    async def _op_reclaim(self, req: dict[str, Any], peer: Peer) -> dict[str, int]:
+        """The caller is a new incarnation under its name: the leases held under it end now,
+        and the weight plane's receivers that polled under it leave (the next group is formed
+        without them, and a transfer waiting for one stops waiting)."""
+        ops = self.table.reclaim(peer.id)
+        dead = [m for m, client in self.weight_clients.items() if client == peer.id]
+        for member in dead:
+            self._leave_plane(member)
+        await self._commit(ops)  # wakes the takes their rows were held back from
+        return {"leases": len(ops), "weight_members": len(dead)}
+
     async def _op_admit(self, req: dict[str, Any], peer: Peer) -> str:
         verdict = "full"
 
@@ -515,6 +529,7 @@ class BusService(Actor):
         member = None if member is None or str(member) in self.weight_left else str(member)
         if member is not None:
             self.weight_members[member] = time.monotonic()
+            self.weight_clients[member] = peer.id
             gpu, proc = req.get("gpu"), req.get("proc")
             self.weight_places[member] = {
                 "gpu": None if gpu is None else str(gpu),
@@ -533,11 +548,19 @@ class BusService(Actor):
     async def _op_w_leave(self, req: dict[str, Any], peer: Peer) -> bool:
         """A receiver leaves the weight plane now (a rollout stopping), not a lease later:
         the next version's group is formed without it."""
-        member = str(req["member"])
+        return self._leave_plane(str(req["member"]))
+
+    def _leave_plane(self, member: str) -> bool:
+        """``member`` is no receiver any more (and a poll of its still in flight will not
+        make it one again); whether it was one."""
         self.weight_left.add(member)
+        self._forget_member(member)
+        return self.weight_members.pop(member, None) is not None
+
+    def _forget_member(self, member: str) -> None:
         self.weight_local.discard(member)
         self.weight_places.pop(member, None)
-        return self.weight_members.pop(member, None) is not None
+        self.weight_clients.pop(member, None)
 
     async def _op_w_left(self, req: dict[str, Any], peer: Peer) -> list[str]:
         """Which of ``members`` left the plane on purpose (``w_leave``): the publisher stops
@@ -560,8 +583,7 @@ class BusService(Actor):
         for member, seen in list(self.weight_members.items()):
             if seen < horizon:
                 del self.weight_members[member]
-                self.weight_local.discard(member)
-                self.weight_places.pop(member, None)
+                self._forget_member(member)
         members = sorted(set(self.weight_members) - self.weight_local)
         if req.get("places"):
             empty = {"gpu": None, "proc": None}

@@ -504,6 +504,24 @@ class BusTable(TableState):
                 ops.append({"op": "unadmit", "group": adm.group})
         return self._apply_all(ops)
 
+    def reclaim(self, holder: str) -> list[Op]:
+        """End every lease ``holder`` holds, its rows back in the queue at once.
+
+        For a new incarnation under a dead one's name (a restarted role, same client name):
+        what its predecessor held would otherwise sit out the lease timeout (60 s by default:
+        at staleness 0 the whole run waits for those rows). The rows keep their attempt
+        numbers, so the next lease is a new attempt, exactly as after an expiry; a turn the
+        lease held is free again."""
+        if not holder:
+            raise ValueError("reclaim needs the holder's name")
+        return self._apply_all(
+            [
+                {"op": "expire", "id": lease.id, "reason": "reclaimed"}
+                for lease in list(self.leases.values())
+                if lease.holder == holder
+            ]
+        )
+
     def extend_leases(self, now: float, grace: float) -> None:
         """After a restart, give every recovered lease a fresh deadline (clocks moved on)."""
         for lease in self.leases.values():

@@ -236,7 +236,7 @@ class TableState:
             row = self.rows.get(uid)
             if row is not None and row.progress[lease.task] == ("leased", attempt, lease.id):
                 row.progress[lease.task] = ("pending", attempt)
-        self.counters["expired_leases"] += 1
+        self.counters[f"{op.get('reason', 'expired')}_leases"] += 1
 
     def _apply_drop(self, op: DropOp) -> None:
         for uid in op["uids"]:

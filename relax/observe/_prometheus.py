@@ -86,6 +86,7 @@ _BUS_COUNTERS = (
     "trained",
     "skipped_steps",
     "expired_leases",
+    "reclaimed_leases",
     "expired_admissions",
     "duplicate_admissions",
     "dropped_stale",

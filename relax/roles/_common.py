@@ -7,14 +7,15 @@ import asyncio
 import dataclasses
 import hashlib
 import os
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any, ClassVar
 
-from relax.actors import Actor
+from relax.actors import Actor, ActorContext
 from relax.bus import Batch, BusClient, column_problem
 from relax.config import ClusterConfig
 from relax.errors import BusError, ColumnConflict
+from relax.log import get_logger
 from relax.media import mm_from_wire
 from relax.schema import LOSS_MASK, MM_INPUTS, REWARD, ROUTED_EXPERTS
 
@@ -51,9 +52,27 @@ def cluster_secret(cfg: ClusterConfig) -> str | None:
 
 
 async def connect_bus(url: str, cfg: ClusterConfig, name: str) -> BusClient:
-    return await BusClient.connect(
+    """A role's connection to a bus under ``name``, one name per live connection (see
+    ``client_name``). Whatever an earlier incarnation under that name still held (a role
+    SIGKILLed mid-batch, restarted by its supervisor) goes back to the queue now: its rows
+    would otherwise wait out the lease timeout, and at staleness 0 the whole run with them."""
+    bus = await BusClient.connect(
         url, secret=cluster_secret(cfg), client_id=name, connect_timeout=60
     )
+    try:
+        reclaimed = await bus.reclaim()
+    except BaseException:
+        await bus.aclose()
+        raise
+    if any(reclaimed.values()):
+        get_logger().info("took back what a dead incarnation held", client=name, **reclaimed)
+    return bus
+
+
+def client_name(context: ActorContext) -> str:
+    """A child's bus client name: its id (``reward-1``), and its rank inside a gang. Replicas
+    must not share one: a restarted replica takes back the leases held under its name."""
+    return context.id if context.rank == 0 else f"{context.id}.{context.rank}"
 
 
 def as_list(value: Any) -> list[Any]:
@@ -148,21 +167,29 @@ def well_formed(rows: list[dict[str, Any]], log: Any) -> list[dict[str, Any]]:
 
 
 STALL_AT_ENV = "RELAX_STALL_AT"
-"""Test hook: ``<point>@<actor id>=<seconds>`` (e.g. ``after_lease@rollout-1=1.5``) makes that
-actor pause there for that long, once per run folder (a marker file records it), so a test
-can hold one replica up at an exact point instead of hoping the scheduler does. Points:
-``after_lease`` (a rollout, between leasing prompts and asking for their admission)."""
+"""Test hook: ``<point>@<actor id>[#<n>]=<seconds>`` (e.g. ``after_lease@rollout-1=1.5``),
+several separated by commas, makes that actor pause there for that long — at the point's
+``n``-th passage in the actor's process (default: the first) — once per run folder (a marker
+file records it), so a test can hold one replica up, or kill it, at an exact point instead of
+hoping the scheduler does. Points: ``after_lease`` (a rollout, between leasing prompts and
+asking for their admission), ``after_take`` (the trainer, holding a batch it has not trained)."""
+
+_passages: Counter[str] = Counter()
 
 
 async def stall_point(run_dir: Path | None, point: str, actor: str) -> None:
     wanted = os.environ.get(STALL_AT_ENV)
     if not wanted or run_dir is None:
         return
-    where, _, seconds = wanted.partition("=")
-    if where != f"{point}@{actor}":
-        return
-    marker = run_dir / f"stalled-at-{point}@{actor}"
-    if marker.exists():
-        return
-    marker.touch()
-    await asyncio.sleep(float(seconds))
+    here = f"{point}@{actor}"
+    _passages[here] += 1
+    for entry in wanted.split(","):
+        where, _, seconds = entry.partition("=")
+        where, _, nth = where.partition("#")
+        if where != here or _passages[here] != int(nth or 1):
+            continue
+        marker = run_dir / f"stalled-at-{here}"
+        if marker.exists():
+            return
+        marker.touch()
+        await asyncio.sleep(float(seconds))

@@ -30,6 +30,7 @@ from relax.config import ClusterConfig
 from relax.models import load_tokenizer
 from relax.roles._common import (
     LearnerRole,
+    client_name,
     connect_bus,
     training_row,
     without_poisoned,
@@ -119,7 +120,7 @@ class CriticRole(LearnerRole):
         cfg, critic = self.cfg, self.critic
         columns = critic_columns(cfg)
         every = cfg.checkpoint.every_steps or CHECKPOINT_EVERY
-        async with await connect_bus(self.samples_url, cfg, f"critic-{self.context.rank}") as bus:
+        async with await connect_bus(self.samples_url, cfg, client_name(self.context)) as bus:
             while True:
                 async with bus.take(
                     "critic",

@@ -24,6 +24,7 @@ import torch
 from relax.actors import Actor
 from relax.models import load_policy, routing
 from relax.roles._common import (
+    client_name,
     cluster_config,
     connect_bus,
     training_row,
@@ -137,8 +138,7 @@ class ReferenceRole(Actor):
         )
 
     async def run(self) -> None:
-        name = f"reference-{self.context.rank}"
-        async with await connect_bus(self.samples_url, self.cfg, name) as bus:
+        async with await connect_bus(self.samples_url, self.cfg, client_name(self.context)) as bus:
             while True:
                 async with bus.take(
                     "reference",

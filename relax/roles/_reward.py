@@ -24,7 +24,13 @@ from relax.actors import Actor
 from relax.errors import RewardFailing
 from relax.models import load_tokenizer
 from relax.rewards import RewardResult, RewardSet, Sample
-from relax.roles._common import as_list, cluster_config, connect_bus, without_poisoned
+from relax.roles._common import (
+    as_list,
+    client_name,
+    cluster_config,
+    connect_bus,
+    without_poisoned,
+)
 from relax.schema import PROMPT_IDS, RESPONSE_IDS, REWARD
 
 REWARD_INPUTS = ("prompt_ids", "prompt_text", "messages", "fields")
@@ -222,9 +228,7 @@ class RewardRole(Actor):
     async def run(self) -> None:
         throttle = WarningThrottle(self.log)
         answer_key = self.cfg.data.answer_key
-        async with await connect_bus(
-            self.samples_url, self.cfg, f"reward-{self.context.rank}"
-        ) as bus:
+        async with await connect_bus(self.samples_url, self.cfg, client_name(self.context)) as bus:
             while True:
                 async with bus.take(
                     "reward",

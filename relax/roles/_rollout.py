@@ -56,6 +56,7 @@ from relax.models import load_processor, load_tokenizer, stop_token_ids
 from relax.replay import RECORD_DIR, GenerationLog
 from relax.roles._common import (
     as_list,
+    client_name,
     cluster_config,
     connect_bus,
     prompt_seed,
@@ -293,9 +294,8 @@ class RolloutRole(Actor):
         cfg, engine = self.cfg, self.engine
         n = cfg.data.n_samples_per_prompt
         stops = stop_token_ids(engine.tokenizer) if hasattr(engine, "tokenizer") else []
-        rank = self.context.rank
         # Each replica its own client name (the prompt bus tells turn holders apart by it).
-        name = self.context.id if rank == 0 else f"{self.context.id}.{rank}"
+        name = client_name(self.context)
         self._new_weights = asyncio.Condition()
         async with (
             await connect_bus(self.prompts_url, cfg, f"{name}-prompts") as prompts,
@@ -304,7 +304,7 @@ class RolloutRole(Actor):
         ):
             if cfg.weights.transport == "group":
                 # A new member each start: a restarted rollout's old self leaves with its lease.
-                member = f"{self.context.id}-{rank}-{secrets.token_hex(4)}"
+                member = f"{self.context.id}-{self.context.rank}-{secrets.token_hex(4)}"
                 options = plane_options(cfg.weights, self.samples_url)
                 self._plane = WeightSubscriber(
                     weights, member, options, device=self.engine.weights_device

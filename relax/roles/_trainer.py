@@ -40,6 +40,7 @@ from relax.roles._common import (
     LearnerRole,
     as_list,
     connect_bus,
+    stall_point,
     training_row,
     without_poisoned,
 )
@@ -424,6 +425,7 @@ class TrainerRole(LearnerRole):
         ) as batch:
             if not batch.rows:
                 return
+            await stall_point(self.run_dir, "after_take", "trainer")  # a test hook
             took = time.monotonic() - started  # waiting for rows, and the bus's take(s)
             if len(await without_poisoned(bus, batch, self.log)) < size:
                 # A poisoned group (e.g. reward = "high") was dropped: the rest of the batch

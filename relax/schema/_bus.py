@@ -135,7 +135,10 @@ class ReleaseOp(TypedDict):
 class ExpireOp(TypedDict):
     op: Literal["expire"]
     id: int
-    """The lease whose holder went silent."""
+    """The lease whose holder went silent, or whose holder's successor took it back."""
+    reason: NotRequired[Literal["expired", "reclaimed"]]
+    """Absent (older logs) or "expired": the deadline passed; "reclaimed": a new incarnation
+    under the holder's name ended it (``BusClient.reclaim``)."""
 
 
 class DropOp(TypedDict):

@@ -201,6 +201,44 @@ async def test_producers_taking_turns_wait_for_the_holder_to_end_its_turn(tmp_pa
         await sup.__aexit__(None, None, None)
 
 
+@pytest.mark.parametrize("scheme", ["tcp", "inproc"])
+async def test_a_new_incarnation_takes_back_what_its_name_held(tmp_path, scheme) -> None:
+    # A consumer dies holding a lease (and a producer the prompts' turn); the lease timeout
+    # is an hour. Its successor, connecting under the same name, reclaims: the rows are
+    # back now, a waiting consumer gets them, and the dead one's late ack no longer counts.
+    # Another client's lease is left alone.
+    url = "tcp://127.0.0.1:0" if scheme == "tcp" else None
+    sup, url = await start_bus(tmp_path, url=url, lease_timeout=3600.0)
+    try:
+        async with (
+            await BusClient.connect(url, client_id="reward-0") as dead,
+            await BusClient.connect(url, client_id="reward-1") as other,
+        ):
+            await dead.put(rows("a", 2) + rows("b", 2) + rows("c", 2))
+            held = await dead.take_batch("reward", batch_size=2, whole_groups=True, turn=True)
+            kept = await other.take_batch("reward", batch_size=2, whole_groups=True)
+            assert [r["group"] for r in held.rows] == ["a", "a"]
+            assert [r["group"] for r in kept.rows] == ["b", "b"]
+            waiting = asyncio.create_task(
+                other.take_batch("reward", batch_size=4, min_rows=4, wait=30)
+            )  # c alone is too few: it waits for a's rows
+            async with await BusClient.connect(url, client_id="reward-0") as successor:
+                assert await successor.reclaim() == {"leases": 1, "weight_members": 0}
+                assert await successor.reclaim() == {"leases": 0, "weight_members": 0}
+                got = await asyncio.wait_for(waiting, 10)
+                assert sorted(r["uid"] for r in got.rows) == ["a/0", "a/1", "c/0", "c/1"]
+                assert {r["attempt"] for r in got.rows if r["group"] == "a"} == {2}
+                assert await dead.ack(held) == 0  # a new attempt holds them now
+                stats = await successor.statistics()
+                assert stats["counters"]["reclaimed_leases"] == 1
+                assert "expired_leases" not in stats["counters"]
+                assert stats["turns"] == {}  # the turn went with the lease
+                assert stats["leases"] == 2  # kept's and got's
+                assert await other.ack(kept) == 2
+    finally:
+        await sup.__aexit__(None, None, None)
+
+
 async def test_weights_round_trip_in_buckets_and_late_subscribers_get_the_current_version(
     tmp_path,
 ) -> None:

@@ -163,6 +163,32 @@ def test_turns_are_logged_and_a_restarted_bus_keeps_them() -> None:
     assert b is not None and list(b.items) == ["p1-0"]
 
 
+def test_a_reclaim_ends_the_holders_leases_and_replays() -> None:
+    t = table(tasks=("train", "reward"))
+    log = []
+    for name in ("g", "h", "k"):
+        log += t.put(rows(name, 1)) or []
+    log += t.take("train", batch_size=1, holder="a", turn=True)[0]
+    log += t.take("train", batch_size=1, holder="b")[0]
+    log += t.take("reward", batch_size=1, holder="a")[0]
+    reclaimed = t.reclaim("a")
+    log += reclaimed
+    # Both of a's leases (two tasks) end; b's stays; nothing else is touched.
+    assert [op["reason"] for op in reclaimed] == ["reclaimed", "reclaimed"]
+    assert [lease.holder for lease in t.leases.values()] == ["b"]
+    assert t.turns == {"train": (1, "a")} and t._turn_free("train", "b")  # its lease ended
+    assert t.counters["reclaimed_leases"] == 2 and t.counters["expired_leases"] == 0
+    assert t.rows["g-0"].progress == {"train": ("pending", 1), "reward": ("pending", 1)}
+    assert t.reclaim("a") == []
+    again = replayed(t, log)  # a restarted bus rebuilds the same
+    assert again.statistics() == t.statistics() and list(again.leases) == list(t.leases)
+    # The next lease is a new attempt: an ack quoting the dead holder's would not count.
+    _, lease = again.take("train", batch_size=1, holder="a2")
+    assert lease is not None and lease.items == {"g-0": 2}
+    with pytest.raises(ValueError, match="holder"):
+        t.reclaim("")
+
+
 def test_whole_groups_only_and_token_budget() -> None:
     t = table(tasks=("train",))
     t.put(rows("a", 2, response_ids=[1] * 10)[:1])  # half a group

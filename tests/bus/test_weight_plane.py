@@ -319,6 +319,43 @@ async def test_a_receiver_that_leaves_is_out_of_the_next_group_at_once(bus) -> N
         assert await members(trainer_bus, opts.lease) == ["a"]
 
 
+async def test_a_dead_receiver_whose_successor_reconnects_is_out_of_the_next_group_at_once(
+    bus,
+) -> None:
+    """A rollout SIGKILLed between versions never says it leaves: its lease (60 s) still
+    counts it in, and the next group would wait ``join_timeout`` for it. Its restarted self
+    reconnects under the same client name and reclaims: the dead receiver is out at once."""
+    opts = replace(FAST, join_timeout=20.0, lease=60.0)
+    async with (
+        await BusClient.connect(bus) as trainer_bus,
+        await BusClient.connect(bus) as bus_a,
+        await BusClient.connect(bus, client_id="rollout-1-weights") as dead_bus,
+    ):
+        pub = WeightPublisher(trainer_bus, opts)
+        a = WeightSubscriber(bus_a, "a", opts)
+        dead = WeightSubscriber(dead_bus, "rollout-1-0-old", opts, poll_wait=3.0)
+        try:
+            wait_a = asyncio.create_task(a.next(-1, wait=60))
+            wait_dead = asyncio.create_task(dead.next(-1, wait=60))
+            await wait_until(
+                lambda: _members_are(trainer_bus, ["a", "rollout-1-0-old"], opts.lease),
+                what="both polling",
+            )
+            wait_dead.cancel()  # dead: it will join nothing and never leave
+            async with await BusClient.connect(bus, client_id="rollout-1-weights") as successor:
+                assert await successor.reclaim() == {"leases": 0, "weight_members": 1}
+            assert await members(trainer_bus, opts.lease) == ["a"]
+            started = asyncio.get_running_loop().time()
+            assert await pub.publish(1, state_dict(4)) == 1  # a group of a alone
+            assert asyncio.get_running_loop().time() - started < 10  # join timeout: 20 s
+            got = await wait_a
+            assert got is not None and same(got[1], state_dict(4))
+            assert a.statistics()["via_group"] == 1
+        finally:
+            await a.aclose()
+            await pub.aclose()
+
+
 async def test_a_receiver_that_leaves_while_the_group_forms_does_not_hold_the_publish(
     bus,
 ) -> None:

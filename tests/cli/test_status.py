@@ -40,7 +40,6 @@ pytestmark = pytest.mark.anyio
 TOML = tiny_toml(
     "st",
     reward='placement = "process"',  # a real process to SIGKILL
-    lease_timeout=5,  # a lease held by the killed reward process comes back soon
 )
 
 ROLES = {"prompts", "samples", "dataset", "reward-0", "trainer", "rollout-0"}

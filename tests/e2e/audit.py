@@ -12,6 +12,7 @@ record of which rows each surviving step consumed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -82,6 +83,7 @@ class BusLedger:
             "dropped_on_arrival": len(self.dropped_on_arrival),
             **{f"dropped_{reason}": n for reason, n in sorted(reasons.items())},
             "expired_leases": self.counters["expired_leases"],
+            "reclaimed_leases": self.counters["reclaimed_leases"],
             "duplicate_puts": self.counters["duplicate_puts"],
             "ignored_acks": self.counters["ignored_acks"],
         }
@@ -349,3 +351,14 @@ def read_logs(path: Path) -> LogLines:
         elif line.strip():
             text.append(line)
     return LogLines(structured, text)
+
+
+@contextlib.contextmanager
+def hang_explained(log_file: Path) -> Iterator[None]:
+    """A run that does not end fails with where its children hung: a child that does not stop
+    when the tree is torn down writes its threads' stacks to the log before its SIGKILL."""
+    try:
+        yield
+    except (TimeoutError, asyncio.TimeoutError):
+        text = "\n".join(read_logs(log_file).text[-120:])
+        raise AssertionError(f"the run did not end; the end of its log:\n{text}") from None

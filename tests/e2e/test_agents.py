@@ -238,7 +238,6 @@ async def test_sigkilled_rollout_and_trainer_lose_no_episode_and_train_none_twic
         overrides=[
             'rollout.placement="process"',
             'trainer.placement="process"',
-            "bus.lease_timeout=5",
             "supervisor.intensity=10",
             "supervisor.period=300",
         ],

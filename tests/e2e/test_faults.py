@@ -12,12 +12,10 @@ supervisor settings: ``tests/e2e/test_bus_kills.py``.)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
 import signal
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,6 +30,7 @@ from tests.e2e.audit import (
     check_exactly_once,
     check_metrics,
     check_trainer_ledger,
+    hang_explained,
     read_logs,
     read_metrics,
     replay_samples_bus,
@@ -44,24 +43,12 @@ SEED = 20261130
 ROLES = ("rollout-0", "reward-0", "trainer")
 
 
-@contextlib.contextmanager
-def _hang_explained(log_file: Path) -> Iterator[None]:
-    """A run that does not end fails with where its children hung: a child that does not stop
-    when the tree is torn down writes its threads' stacks to the log before its SIGKILL."""
-    try:
-        yield
-    except (TimeoutError, asyncio.TimeoutError):
-        text = "\n".join(read_logs(log_file).text[-120:])
-        raise AssertionError(f"the run did not end; the end of its log:\n{text}") from None
-
-
 @pytest.mark.timeout(300)
 async def test_roles_sigkilled_mid_run_lose_nothing_and_train_nothing_twice(tmp_path) -> None:
     overrides = [
         'rollout.placement="process"',
         'reward.placement="process"',
         'trainer.placement="process"',
-        "bus.lease_timeout=5",
         "supervisor.intensity=10",
         "supervisor.period=300",
         # Twice the recipe's steps, kills in the first quarter: the run is still going at the
@@ -78,7 +65,7 @@ async def test_roles_sigkilled_mid_run_lose_nothing_and_train_nothing_twice(tmp_
     kills: Counter[str] = Counter()
     layout = cluster.prepare(cfg, tmp_path / "run")
     run_dir = layout.run_dir
-    with captured_logs(tmp_path / "run.log") as log_file, _hang_explained(log_file):
+    with captured_logs(tmp_path / "run.log") as log_file, hang_explained(log_file):
         async with cluster.build_tree(cfg, layout) as tree:
             finished = asyncio.create_task(tree.wait())
             for point, target, delay in zip(points, targets, delays, strict=True):
@@ -163,14 +150,13 @@ async def test_a_rollout_killed_holding_its_turn_holds_up_nothing(tmp_path, monk
     # Staleness 0, two rollout processes: they take turns from lease to admission. Replica 1
     # is held (a test hook) right after leasing with the turn, and SIGKILLed there: the other
     # replica waits for the turn meanwhile. Its restarted self, under the same client name,
-    # takes the turn on (and its dead self's lease expires): the run finishes, nothing lost,
-    # nothing trained twice.
+    # takes back its dead self's lease, and with it the turn (the lease would have lasted
+    # 60 s): the run finishes, nothing lost, nothing trained twice.
     monkeypatch.setenv(STALL_AT_ENV, "after_lease@rollout-1=120")
     overrides = [
         "staleness=0",
         "rollout.replicas=2",
         'rollout.placement="process"',
-        "bus.lease_timeout=5",
         "trainer.steps=12",
     ]
     cfg = load_config(RECIPE, overrides=overrides)
@@ -178,7 +164,7 @@ async def test_a_rollout_killed_holding_its_turn_holds_up_nothing(tmp_path, monk
     layout = cluster.prepare(cfg, tmp_path / "run")
     run_dir = layout.run_dir
     held = run_dir / "stalled-at-after_lease@rollout-1"
-    with captured_logs(tmp_path / "run.log") as log_file, _hang_explained(log_file):
+    with captured_logs(tmp_path / "run.log") as log_file, hang_explained(log_file):
         async with cluster.build_tree(cfg, layout) as tree:
             finished = asyncio.create_task(tree.wait())
             await wait_until(held.exists, timeout=120, what="rollout-1 held with its turn")

@@ -35,7 +35,6 @@ def test_a_run_sigkilled_as_a_whole_resumes_losing_and_repeating_nothing(
         f"trainer.steps={STEPS}",
         f"staleness={staleness}",
         "checkpoint.every_steps=4",
-        "bus.lease_timeout=3",  # the dead incarnation's leases come back soon after the resume
         *(f'{role}.placement="{placement}"' for role in ("rollout", "reward", "trainer")),
     ):
         up += ["--set", key]

@@ -53,7 +53,6 @@ async def test_a_killed_rollout_keeps_every_row_s_routing_aligned(tmp_path) -> N
         'trainer.placement="process"',
         'model.dtype="float32"',  # the alignment check below teacher-forces in fp32
         "trainer.steps=100000",  # stopped below, once the restarted rollout's rows trained
-        "bus.lease_timeout=5",
     ]
     cfg = load_config(RECIPE, overrides=overrides)
     layout = cluster.prepare(cfg, tmp_path / "run")

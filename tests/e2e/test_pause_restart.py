@@ -18,8 +18,8 @@ from tests.tiny import tiny_toml
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
-# The prompts the killed rollout held come back soon.
-TOML = tiny_toml("pausekill", lease_timeout=3, rollout='placement = "process"')
+# The default lease (60 s): the restarted rollout takes back the prompts its dead self held.
+TOML = tiny_toml("pausekill", rollout='placement = "process"')
 
 
 async def _puts(run_dir: Path) -> int:

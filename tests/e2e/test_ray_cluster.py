@@ -44,7 +44,7 @@ RECIPE = Path(__file__).resolve().parents[2] / "examples" / "digits" / "cluster.
 require("ray", "RELAX_REQUIRE_RAY", RAY_INSTALL_HINT, whole_module=True)
 
 # Enough steps that the run is still going when a restarted role is back.
-AUDITED = ["bus.lease_timeout=5", "supervisor.intensity=10", "supervisor.period=300"]
+AUDITED = ["supervisor.intensity=10", "supervisor.period=300"]
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,6 @@ async def test_killed_roles_restart_in_their_warm_spares_losing_nothing(tmp_path
     overrides = [
         "supervisor.standby=true",
         *(f'{role}.placement="process"' for role in ("rollout", "reward", "trainer")),
-        "bus.lease_timeout=5",
         "supervisor.intensity=10",
         "supervisor.period=300",
         # Long enough that the run still goes after the last kill: a spare is ready a few

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,9 @@ from relax.config import load_config
 from relax.roles._common import STALL_AT_ENV
 from relax.sync import run_sync
 from relax.transport._wire import loads
+from tests.actors.helpers import restarted, running_pid
+from tests.e2e.audit import captured_logs, hang_explained, read_logs
+from tests.polling import wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "digits" / "cluster.toml"
@@ -174,3 +180,64 @@ async def test_staleness_0_with_a_bus_killed_before_answering_a_take_equals_a_sy
     monkeypatch.delenv(KILL_AT_ENV)
     await run_sync(cfg, tmp_path / "sync")
     assert_same_run(tmp_path / "cluster", tmp_path / "sync")
+
+
+def bus_ops(run_dir: Path, bus: str) -> list[dict]:
+    with SegmentLog(run_dir / bus / "bus-log") as log:
+        return [loads(record) for _, record in log.replay()]
+
+
+@pytest.mark.timeout(300)
+async def test_staleness_0_with_roles_sigkilled_holding_leases_equals_a_synchronous_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rollout-1 is held right after leasing prompts (with the turn), the trainer right after
+    # taking its 4th batch: each is SIGKILLed there, holding a lease that would last 10
+    # minutes. A restarted role takes back what its name held as it connects, so the run goes
+    # on at once (before, it waited for the leases to expire, and the prompts came back out of
+    # order), and it is still the synchronous run, bit for bit.
+    holds = ("after_lease@rollout-1", "after_take@trainer#4")
+    monkeypatch.setenv(STALL_AT_ENV, ",".join(f"{hold}=600" for hold in holds))
+    overrides = [
+        "staleness=0",
+        f"trainer.steps={STEPS}",
+        "checkpoint.every_steps=1",  # the restarted trainer goes on from step 3's checkpoint
+        "rollout.batch_size=2",
+        "bus.lease_timeout=600",
+        *TWO_CORES,
+    ]
+    cfg = load_config(RECIPE, overrides=overrides)
+    layout = cluster.prepare(cfg, tmp_path / "cluster")
+    run_dir = layout.run_dir
+    with captured_logs(tmp_path / "run.log") as log_file, hang_explained(log_file):
+        await _kill_at_holds(cfg, layout, holds)
+    # Each dead lease came back by its successor's reclaim, none by expiry.
+    for bus in ("prompts", "samples"):
+        ended = [op for op in bus_ops(run_dir, bus) if op["op"] == "expire"]
+        assert ended and all(op.get("reason") == "reclaimed" for op in ended), (bus, ended)
+    logs = read_logs(log_file)
+    assert [e["client"] for e in logs.events("took back what a dead incarnation held")] == [
+        "rollout-1-prompts",
+        "rollout-1-weights",  # its receiver left the weight plane: no join timeout waited
+        "trainer",
+    ]
+    assert logs.events("weight transfer failed; receivers read this version from the bus") == []
+    assert max(s["take_time_s"] for s in steps(run_dir)) < 60
+    monkeypatch.delenv(STALL_AT_ENV)
+    await run_sync(cfg, tmp_path / "sync")
+    assert_same_run(run_dir, tmp_path / "sync")
+
+
+async def _kill_at_holds(cfg, layout, holds: tuple[str, ...]) -> None:
+    """Run the cluster, SIGKILL each child held at its stall point, in order; wait the end."""
+    run_dir = layout.run_dir
+    async with cluster.build_tree(cfg, layout) as tree:
+        finished = asyncio.create_task(tree.wait())
+        for hold in holds:
+            child = hold.split("@")[1].split("#")[0]
+            held = run_dir / f"stalled-at-{hold.split('#')[0]}"
+            await wait_until(held.exists, timeout=120, what=f"{child} held at {hold}")
+            pid = await running_pid(tree, child, timeout=60)
+            os.kill(pid, signal.SIGKILL)
+            await restarted(tree, child, pid, timeout=60)
+        await asyncio.wait_for(finished, 150)  # a lease left to expire: 600 s

@@ -49,7 +49,6 @@ async def test_two_rollouts_get_every_version_over_the_group_and_a_killed_one_ca
         'rollout.placement="process"',
         'reward.placement="process"',
         'trainer.placement="process"',
-        "bus.lease_timeout=5",
         "weights.lease=3",
         # One machine: the rollouts could read the trainer's file; this test is the group's.
         'weights.local_file="off"',

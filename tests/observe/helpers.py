@@ -11,7 +11,7 @@ from tests.tiny import tiny_toml
 
 def toml(**options: str) -> str:
     """The tiny test cluster's text; ``options`` go to ``tests.tiny.tiny_toml`` (extra lines)."""
-    return tiny_toml("obs", lease_timeout=5, **options)
+    return tiny_toml("obs", **options)
 
 
 def config(extra: str = "") -> ClusterConfig:

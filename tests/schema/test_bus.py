@@ -34,6 +34,9 @@ def test_each_kind_of_op_applies_through_the_table() -> None:
         {"op": "release", "task": "train", "items": [["g/1", 1]]},
         {"op": "ack", "task": "train", "items": [["g/0", 1]]},
         {"op": "expire", "id": 1},
+        {"op": "lease", "id": 2, "task": "train", "holder": "h", "deadline": 5.0,
+         "items": [["g/1", 2]]},
+        {"op": "expire", "id": 2, "reason": "reclaimed"},
         {"op": "count", "name": "duplicate_puts", "n": 2},
         {"op": "version", "version": 1},
         {"op": "admit", "group": "h", "rows": 1, "version": 1, "deadline": 10.0},
@@ -53,6 +56,7 @@ def test_each_kind_of_op_applies_through_the_table() -> None:
     counters = table.counters
     assert counters["put"] == 2 and counters["trained"] == 1 and counters["dropped_stale"] == 1
     assert counters["released"] == 1 and counters["expired_admissions"] == 1
+    assert counters["expired_leases"] == 0 and counters["reclaimed_leases"] == 1
     assert counters["duplicate_puts"] == 2 and counters["ignored_acks"] == 1
     # A state op (compaction) rebuilds the bookkeeping on a fresh table.
     replica = BusTable(tasks=("train",), staleness=1, batch_size=2, capacity=8)
