@@ -13,15 +13,20 @@ process): each role is SIGKILLed ``--kills`` times and the time until it serves 
 reported per role (median, max). "Serving again": for a bus, its supervisor shows the new
 process running and a client request is answered by it; for a role, the new process finished
 ``on_start`` (model loaded, bus connected) and runs. Kills are spaced so the run keeps going.
+And what the run feels: SIGKILL -> training again, until the trainer logs a step after the
+role served again (at
+``--staleness 0`` by default, where rows a dead role held stall the whole run until they are
+back: its restarted self takes them back as it connects, or their lease runs out, 60 s).
 
-Run: ``python bench/actors.py [--calls 2000] [--rounds 5] [--kills 3] [--no-roles]``. Nothing
-here is asserted in tests.
+Run: ``python bench/actors.py [--calls 2000] [--rounds 5] [--kills 3] [--staleness 0]
+[--no-roles]``. Nothing here is asserted in tests.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import statistics
@@ -132,9 +137,27 @@ RECIPE = Path(__file__).resolve().parents[1] / "examples" / "digits" / "cluster.
 ROLES = ("prompts", "samples", "dataset", "reward-0", "trainer", "rollout-0")
 
 
-async def role_recovery(kills: int, standby: bool) -> dict[str, list[float]]:
-    """SIGKILL -> serving again, per role of a running digits run (see the module docstring);
-    with ``standby``, each kill waits until the role's warm spare is ready."""
+def last_step_time(metrics: Path) -> float:
+    """When the trainer logged its newest step (Unix seconds; 0 before any)."""
+    if not metrics.exists():
+        return 0.0
+    with metrics.open("rb") as f:
+        f.seek(max(0, metrics.stat().st_size - 8192))
+        lines = f.read().splitlines()
+    for line in reversed(lines):
+        try:
+            return float(json.loads(line)["time"])
+        except (ValueError, KeyError):
+            continue  # a partial line (the seek, or a write in progress)
+    return 0.0
+
+
+async def role_recovery(
+    kills: int, standby: bool, staleness: str
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per role of a running digits run (see the module docstring), SIGKILL -> serving again
+    and SIGKILL -> training again; with ``standby``, each kill waits until the role's warm
+    spare is ready."""
     from relax import cluster
     from relax.bus import BusClient
     from relax.config import load_config
@@ -146,9 +169,11 @@ async def role_recovery(kills: int, standby: bool) -> dict[str, list[float]]:
         f"supervisor.intensity={len(ROLES) * kills + 1}",
         "supervisor.period=3600",
         f"supervisor.standby={str(standby).lower()}",
+        f"staleness={staleness}",
     ]
     cfg = load_config(RECIPE, overrides=overrides)
     took: dict[str, list[float]] = {r: [] for r in ROLES}
+    trained: dict[str, list[float]] = {r: [] for r in ROLES}
     with tempfile.TemporaryDirectory(prefix="relax-bench-") as tmp:
         layout = cluster.prepare(cfg, Path(tmp) / "run")
         async with cluster.build_tree(cfg, layout) as tree:
@@ -188,10 +213,18 @@ async def role_recovery(kills: int, standby: bool) -> dict[str, list[float]]:
                         async with await BusClient.connect(urls[role]) as bus:
                             await bus.statistics()
                     took[role].append(time.perf_counter() - start)
-    return took
+                    metrics, served_at = layout.run_dir / "metrics.jsonl", time.time()
+                    await wait_until(  # a step logged after the role served again
+                        lambda m=metrics, t=served_at: last_step_time(m) > t,
+                        600,
+                        "the trainer's next step",
+                        interval=0.02,
+                    )
+                    trained[role].append(time.perf_counter() - start)
+    return took, trained
 
 
-async def main(calls: int, rounds: int, kills: int) -> None:
+async def main(calls: int, rounds: int, kills: int, staleness: str) -> None:
     configure_logging(level="error")
     children = [
         ChildSpec("inproc", Echo),
@@ -219,26 +252,33 @@ async def main(calls: int, rounds: int, kills: int) -> None:
     report("call rtt, process over tcp", results["tcp"], results["ntcp"], 1e6, "us")
     report("SIGKILL -> answering again", results["r"], results["sp"], 1e3, "ms")
     if kills:
-        cold = await role_recovery(kills, standby=False)
-        warm = await role_recovery(kills, standby=True)
+        cold, cold_trained = await role_recovery(kills, standby=False, staleness=staleness)
+        warm, warm_trained = await role_recovery(kills, standby=True, staleness=staleness)
         bare = [spawn_baseline() for _ in range(rounds)]
-        print(
-            f"recovery of a digits run, SIGKILL -> serving again ({kills} kills each), cold "
-            "(a new interpreter) and warm ([supervisor] standby: a spare takes over):"
-        )
-        for role in ROLES:
-            c, w = cold[role], warm[role]
+        for title, c_all, w_all in (
+            ("serving again", cold, warm),
+            ("training again (a step after serving again)", cold_trained, warm_trained),
+        ):
             print(
-                f"  {role:<12} cold median {statistics.median(c):6.2f} s  max {max(c):6.2f} s"
-                f"   warm median {statistics.median(w):6.2f} s  max {max(w):6.2f} s"
-                f"   warm/cold {statistics.median(w) / statistics.median(c):5.2f}x"
+                f"recovery of a digits run at staleness {staleness}, SIGKILL -> {title} "
+                f"({kills} kills each), cold (a new interpreter) and warm ([supervisor] "
+                "standby: a spare takes over):"
             )
+            for role in ROLES:
+                c, w = c_all[role], w_all[role]
+                print(
+                    f"  {role:<12} cold median {statistics.median(c):6.2f} s  max {max(c):6.2f} s"
+                    f"   warm median {statistics.median(w):6.2f} s  max {max(w):6.2f} s"
+                    f"   warm/cold {statistics.median(w) / statistics.median(c):5.2f}x"
+                )
         print(
             f"  bare interpreter start (python -c 'import relax.actors._host'): "
             f"median {statistics.median(bare):6.2f} s"
         )
         worst = max(statistics.median(warm[r]) for r in ROLES)
         print(f"recovery_warm_median_max = {worst:.3f}")
+        worst = max(statistics.median(warm_trained[r]) for r in ROLES)
+        print(f"training_again_warm_median_max = {worst:.3f}")
 
 
 if __name__ == "__main__":
@@ -248,6 +288,8 @@ if __name__ == "__main__":
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--kills", type=int, default=3, help="SIGKILLs per role of a run")
+    parser.add_argument("--staleness", default="0", help="the run's bound: 0, k or inf")
     parser.add_argument("--no-roles", action="store_true", help="skip the run's recovery budget")
     args = parser.parse_args()
-    asyncio.run(main(args.calls, args.rounds, 0 if args.no_roles else args.kills))
+    kills = 0 if args.no_roles else args.kills
+    asyncio.run(main(args.calls, args.rounds, kills, args.staleness))

@@ -106,6 +106,10 @@ class BusService(Actor):
         # The weight plane's receivers, by the last time each polled (not logged: they poll
         # again within their lease after a bus restart).
         self.weight_members: dict[str, float] = {}
+        # Reclaims so far per client name: a take still waiting here for a client that has
+        # since been succeeded (a reclaim under its name) is answered with nothing, or it
+        # would lease rows to the dead (a warm spare takes over within a take's wait).
+        self.reclaims: Counter[str] = Counter()
         # Each receiver's client name (its last poll's): a new incarnation under that name
         # (``reclaim``) means this receiver is dead.
         self.weight_clients: dict[str, str] = {}
@@ -270,8 +274,11 @@ class BusService(Actor):
         columns = tuple(req.get("columns") or ())
         optional = tuple(req.get("optional") or ())
         dropped: list[Op] = []
+        generation = self.reclaims[peer.id]
 
         def attempt() -> Any:
+            if self.reclaims[peer.id] != generation:
+                return _SUCCEEDED  # its client died and another took its name: lease nothing
             ops, lease = self.table.take(
                 req["task"],
                 columns=columns,
@@ -293,7 +300,7 @@ class BusService(Actor):
             return ops, lease
 
         found = await self._wait_for(attempt, req.get("wait"), commit=dropped)
-        if found is None:
+        if found is None or found is _SUCCEEDED:
             return None
         ops, lease = found
         await self._commit(ops)
@@ -348,11 +355,14 @@ class BusService(Actor):
         """The caller is a new incarnation under its name: the leases held under it end now,
         and the weight plane's receivers that polled under it leave (the next group is formed
         without them, and a transfer waiting for one stops waiting)."""
+        self.reclaims[peer.id] += 1
         ops = self.table.reclaim(peer.id)
         dead = [m for m, client in self.weight_clients.items() if client == peer.id]
         for member in dead:
             self._leave_plane(member)
-        await self._commit(ops)  # wakes the takes their rows were held back from
+        await self._log(ops)
+        async with self.changed:  # the rows' takers, and the dead client's takes, look again
+            self.changed.notify_all()
         return {"leases": len(ops), "weight_members": len(dead)}
 
     async def _op_admit(self, req: dict[str, Any], peer: Peer) -> str:
@@ -686,6 +696,8 @@ class BusService(Actor):
                     "bus log compacted", segments_deleted=deleted, watermark=release_before
                 )
 
+
+_SUCCEEDED = object()  # what a take of a client that has been succeeded finds
 
 KILL_AT_ENV = "RELAX_BUS_KILL_AT"
 """Test hook: a bus whose process has this set to a point of the weights commit protocol

@@ -15,6 +15,7 @@ from relax.bus import BusClient, BusService, SegmentLog
 from relax.bus._journal import KeyJournal
 from relax.errors import AuthFailed, BusError, MessageTooLarge
 from relax.transport import loads
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.anyio
 _names = itertools.count()
@@ -237,6 +238,33 @@ async def test_a_new_incarnation_takes_back_what_its_name_held(tmp_path, scheme)
                 assert await other.ack(kept) == 2
     finally:
         await sup.__aexit__(None, None, None)
+
+
+async def test_a_take_still_waiting_for_a_succeeded_client_leases_it_nothing(tmp_path) -> None:
+    # A warm spare takes over a SIGKILLed role within a take's wait: the dead one's take is
+    # still waiting at the bus. Rows that arrive after the successor's reclaim must not be
+    # leased to it (they were, and sat out the lease timeout: a 60 s stall of the run).
+    sup, url = await start_bus(tmp_path, lease_timeout=3600.0)
+    try:
+        async with (
+            await BusClient.connect(url, client_id="reward-0") as dead,
+            await BusClient.connect(url, client_id="reward-0") as successor,
+        ):
+            orphan = asyncio.create_task(dead.take_batch("reward", batch_size=2, wait=30))
+            await wait_until(lambda: _waiting(successor), what="the take waiting at the bus")
+            await successor.reclaim()
+            assert (await asyncio.wait_for(orphan, 10)).rows == []  # answered with nothing
+            await successor.put(rows("a", 2))
+            batch = await successor.take_batch("reward", batch_size=2, wait=5)
+            assert [r["uid"] for r in batch.rows] == ["a/0", "a/1"]
+            assert (await successor.statistics())["leases"] == 1
+    finally:
+        await sup.__aexit__(None, None, None)
+
+
+async def _waiting(client: BusClient) -> bool:
+    # Handlers running: this statistics request, and the take.
+    return (await client.statistics())["transport"]["in_flight"] >= 2
 
 
 async def test_weights_round_trip_in_buckets_and_late_subscribers_get_the_current_version(

@@ -204,6 +204,9 @@ async def test_staleness_0_with_roles_sigkilled_holding_leases_equals_a_synchron
         "checkpoint.every_steps=1",  # the restarted trainer goes on from step 3's checkpoint
         "rollout.batch_size=2",
         "bus.lease_timeout=600",
+        # Two kills can land within the default period (1 restart in 5 s).
+        "supervisor.intensity=10",
+        "supervisor.period=300",
         *TWO_CORES,
     ]
     cfg = load_config(RECIPE, overrides=overrides)
