@@ -171,6 +171,8 @@ class WeightPublisher:
         self._epoch = 0
         self._file_ok = True  # False once the bus could not find a file written here
         self._failed_at: float | None = None  # when the last transfer failed
+        # Set by ``abandon``: transfers stop (the receivers read from the bus) from now on.
+        self._abandoned = asyncio.Event()
         self._stats: dict[str, Any] = {
             "published": 0,
             "via_group": 0,
@@ -212,7 +214,7 @@ class WeightPublisher:
             lease = min(lease, time.monotonic() - self._failed_at)
             self._failed_at = None
         places = await self._bus._call({"op": "w_members", "lease": lease, "places": True})
-        members = sorted(places)
+        members = [] if self._abandoned.is_set() else sorted(places)
         import torch.distributed as dist
 
         route = choose_route(
@@ -285,6 +287,13 @@ class WeightPublisher:
         self._stats["last_publish_s"] = time.monotonic() - started
         return len(members) if sent else 0
 
+    def abandon(self) -> None:
+        """Send no more over the group: a transfer under way stops now and every later
+        version goes through the bus (its commit is not held up). For a trainer that is
+        stopping: its receivers are stopping too (the tree stops the rollouts first), and a
+        publish waiting for them would outlast its shutdown timeout and lose its commit."""
+        self._abandoned.set()
+
     async def aclose(self) -> None:
         await self._close_group()
         if self._port is not None:
@@ -321,9 +330,11 @@ class WeightPublisher:
         began = time.monotonic()
         sending = asyncio.create_task(self._send(buckets))
         watching = asyncio.create_task(self._watch_leaves(list(self._members)))
+        abandoned = asyncio.create_task(self._abandoned.wait())
         try:
-            await asyncio.wait({sending, watching}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({sending, watching, abandoned}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            abandoned.cancel()
             watching.cancel()
             # A receiver that stopped on purpose (a rollout stopping with the run) would hold
             # the publish, and with it the trainer's own stop, for the whole join timeout.
@@ -335,7 +346,13 @@ class WeightPublisher:
             return True
         if isinstance(failed, BaseException) and not isinstance(failed, TransportError):
             raise failed
-        why = failed if failed is not None else f"receivers left the plane: {left}"
+        why = (
+            failed
+            if failed is not None
+            else "abandoned: the publisher is stopping"
+            if self._abandoned.is_set()
+            else f"receivers left the plane: {left}"
+        )
         self._stats["group_failures"] += 1
         self._failed_at = time.monotonic()
         self._stats["last_failure"] = str(why).splitlines()[0]

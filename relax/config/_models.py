@@ -210,7 +210,7 @@ class BusConfig(ConfigModel):
     max_message_bytes: PositiveInt = 256 << 20
     """Largest message, in bytes, the bus accepts; at least `frame_bytes`."""
     lease_timeout: Seconds = 60.0
-    """Seconds a consumer may hold rows without acknowledging them before they return to the queue."""
+    """Seconds a consumer may hold rows without acknowledging them before they return to the queue. A role restarted by its supervisor takes back what its dead predecessor held at once, without waiting this out."""
     persist: bool = True
     """Append every change (rows, columns, leases, acks, versions) to a checksummed log under the run folder, so a bus killed and restarted loses nothing. Turn off only for throwaway runs."""
     segment_bytes: PositiveInt = 64 << 20

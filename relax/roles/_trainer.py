@@ -341,6 +341,9 @@ class TrainerRole(LearnerRole):
             except asyncio.CancelledError:
                 # Stopping. Rows already taken are trained, published and acked first, so
                 # the stop's checkpoint holds them; a wait for rows is simply abandoned.
+                if self._plane is not None:
+                    # The rollouts stop first: a publish must not wait for them to join.
+                    self._plane.abandon()
                 if self._holding_rows:
                     with contextlib.suppress(Exception):
                         await once

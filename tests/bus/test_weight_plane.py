@@ -273,24 +273,26 @@ async def test_a_receiver_that_died_idle_costs_one_join_timeout_and_is_left_out_
 
 @contextlib.asynccontextmanager
 async def a_and_stopping_b(
-    bus: str, opts: PlaneOptions
+    bus: str, opts: PlaneOptions, *, b_member: str = "b", b_client: str | None = None
 ) -> AsyncIterator[tuple[BusClient, WeightPublisher, WeightSubscriber, WeightSubscriber, Any]]:
-    """A publisher and receivers ``a`` and ``b``, both counted as members, ``b`` stopping
-    (its wait cancelled: it will join nothing; its poll goes on waiting at the bus a while).
-    Yields ``(trainer's client, publisher, a, b, a's wait for its first version)``."""
+    """A publisher and receivers ``a`` and ``b`` (member ``b_member``, its client named
+    ``b_client``), both counted as members, ``b`` stopping (its wait cancelled: it will join
+    nothing; its poll goes on waiting at the bus a while). Yields ``(trainer's client,
+    publisher, a, b, a's wait for its first version)``."""
     async with (
         await BusClient.connect(bus) as trainer_bus,
         await BusClient.connect(bus) as bus_a,
-        await BusClient.connect(bus) as bus_b,
+        await BusClient.connect(bus, client_id=b_client) as bus_b,
     ):
         pub = WeightPublisher(trainer_bus, opts)
         a = WeightSubscriber(bus_a, "a", opts)
-        b = WeightSubscriber(bus_b, "b", opts, poll_wait=3.0)
+        b = WeightSubscriber(bus_b, b_member, opts, poll_wait=3.0)
         try:
             wait_a = asyncio.create_task(a.next(-1, wait=60))
             wait_b = asyncio.create_task(b.next(-1, wait=60))
+            both = sorted(["a", b_member])
             await wait_until(
-                lambda: _members_are(trainer_bus, ["a", "b"], opts.lease), what="both polling"
+                lambda: _members_are(trainer_bus, both, opts.lease), what="both polling"
             )
             wait_b.cancel()
             yield trainer_bus, pub, a, b, wait_a
@@ -326,34 +328,17 @@ async def test_a_dead_receiver_whose_successor_reconnects_is_out_of_the_next_gro
     counts it in, and the next group would wait ``join_timeout`` for it. Its restarted self
     reconnects under the same client name and reclaims: the dead receiver is out at once."""
     opts = replace(FAST, join_timeout=20.0, lease=60.0)
-    async with (
-        await BusClient.connect(bus) as trainer_bus,
-        await BusClient.connect(bus) as bus_a,
-        await BusClient.connect(bus, client_id="rollout-1-weights") as dead_bus,
-    ):
-        pub = WeightPublisher(trainer_bus, opts)
-        a = WeightSubscriber(bus_a, "a", opts)
-        dead = WeightSubscriber(dead_bus, "rollout-1-0-old", opts, poll_wait=3.0)
-        try:
-            wait_a = asyncio.create_task(a.next(-1, wait=60))
-            wait_dead = asyncio.create_task(dead.next(-1, wait=60))
-            await wait_until(
-                lambda: _members_are(trainer_bus, ["a", "rollout-1-0-old"], opts.lease),
-                what="both polling",
-            )
-            wait_dead.cancel()  # dead: it will join nothing and never leave
-            async with await BusClient.connect(bus, client_id="rollout-1-weights") as successor:
-                assert await successor.reclaim() == {"leases": 0, "weight_members": 1}
-            assert await members(trainer_bus, opts.lease) == ["a"]
-            started = asyncio.get_running_loop().time()
-            assert await pub.publish(1, state_dict(4)) == 1  # a group of a alone
-            assert asyncio.get_running_loop().time() - started < 10  # join timeout: 20 s
-            got = await wait_a
-            assert got is not None and same(got[1], state_dict(4))
-            assert a.statistics()["via_group"] == 1
-        finally:
-            await a.aclose()
-            await pub.aclose()
+    dead = {"b_member": "rollout-1-0-old", "b_client": "rollout-1-weights"}
+    async with a_and_stopping_b(bus, opts, **dead) as (trainer_bus, pub, a, _, wait_a):
+        async with await BusClient.connect(bus, client_id="rollout-1-weights") as successor:
+            assert await successor.reclaim() == {"leases": 0, "weight_members": 1}
+        assert await members(trainer_bus, opts.lease) == ["a"]
+        started = asyncio.get_running_loop().time()
+        assert await pub.publish(1, state_dict(4)) == 1  # a group of a alone
+        assert asyncio.get_running_loop().time() - started < 10  # join timeout: 20 s
+        got = await wait_a
+        assert got is not None and same(got[1], state_dict(4))
+        assert a.statistics()["via_group"] == 1
 
 
 async def test_a_receiver_that_leaves_while_the_group_forms_does_not_hold_the_publish(
@@ -376,6 +361,29 @@ async def test_a_receiver_that_leaves_while_the_group_forms_does_not_hold_the_pu
         got = await asyncio.wait_for(wait_a, 5)
         assert got is not None and got[0] == 1 and same(got[1], state_dict(5))
         assert a.statistics()["via_bus"] == 1
+
+
+async def test_a_publisher_that_abandons_the_group_commits_at_once_through_the_bus(bus) -> None:
+    """A trainer asked to stop mid-publish: the rollouts stop first, and one that has not
+    left yet would hold the group (up to its join timeout) past the trainer's shutdown
+    timeout, losing the commit of a step it had trained and recorded. ``abandon`` ends the
+    transfer at once; this version and every later one commit through the bus."""
+    opts = replace(FAST, join_timeout=20.0, lease=60.0)
+    async with a_and_stopping_b(bus, opts) as (_, pub, a, _b, wait_a):
+        started = asyncio.get_running_loop().time()
+        publishing = asyncio.create_task(pub.publish(1, state_dict(6)))
+        await wait_until(lambda: a.statistics()["epoch"] == 1, what="a joining the group")
+        pub.abandon()  # b never joins, and has not left
+        assert await publishing == 0
+        assert asyncio.get_running_loop().time() - started < 10  # join timeout: 20 s
+        assert pub.statistics()["last_failure"] == "abandoned: the publisher is stopping"
+        got = await asyncio.wait_for(wait_a, 10)
+        assert got is not None and got[0] == 1 and same(got[1], state_dict(6))
+        wait_a = asyncio.create_task(a.next(1, wait=60))
+        assert await pub.publish(2, state_dict(7)) == 0  # no group any more
+        got = await asyncio.wait_for(wait_a, 10)
+        assert got is not None and same(got[1], state_dict(7))
+        assert pub.statistics()["epochs"] == 1 and a.statistics()["via_bus"] == 2
 
 
 async def test_receivers_that_can_read_the_bus_s_file_read_it_verified_and_leave_the_group(
