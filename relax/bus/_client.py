@@ -77,6 +77,10 @@ class BusClient:
         self._rpc = rpc
         self._take_prefix = uuid.uuid4().hex[:16]  # tells this client's takes from others'
         self._take_ids = itertools.count()
+        # Per task, the id of a take that raised (timed out, cancelled) before its answer: the
+        # bus may have leased rows to it. The next take of the task goes under that id and
+        # gets them, instead of leaving them to the lease timeout.
+        self._unanswered: dict[str, str] = {}
 
     @classmethod
     async def connect(
@@ -189,27 +193,31 @@ class BusClient:
         lease ends, or this client takes again. A producer that leases work, then asks another
         bus for admission, takes turns so that work is admitted in the queue's order.
         """
-        reply: TakeReply | None = await self._call(
-            {
-                "op": "take",
-                "task": task,
-                "columns": list(columns),
-                "optional": list(optional),
-                "batch_size": batch_size,
-                "min_rows": min_rows,
-                "whole_groups": whole_groups,
-                "token_budget": token_budget,
-                "max_row_tokens": max_row_tokens,
-                "lease_timeout": lease_timeout,
-                "wait": wait,
-                "trainer_version": trainer_version,
-                "turn": turn,
-                # Resent unchanged if the bus restarts before answering: the same lease comes
-                # back instead of a second one (the first's rows stranded until it expired).
-                "take_id": f"{self._take_prefix}-{next(self._take_ids)}",
-            },
-            wait,
-        )
+        # A take that raised before its answer is sent again under its id (see _unanswered).
+        take_id = self._unanswered.pop(task, None) or f"{self._take_prefix}-{next(self._take_ids)}"
+        request = {
+            "op": "take",
+            "task": task,
+            "columns": list(columns),
+            "optional": list(optional),
+            "batch_size": batch_size,
+            "min_rows": min_rows,
+            "whole_groups": whole_groups,
+            "token_budget": token_budget,
+            "max_row_tokens": max_row_tokens,
+            "lease_timeout": lease_timeout,
+            "wait": wait,
+            "trainer_version": trainer_version,
+            "turn": turn,
+            # Resent unchanged if the bus restarts before answering: the same lease comes
+            # back instead of a second one (the first's rows stranded until it expired).
+            "take_id": take_id,
+        }
+        try:
+            reply: TakeReply | None = await self._call(request, wait)
+        except BaseException:
+            self._unanswered[task] = take_id
+            raise
         if reply is None:
             return Batch(task)
         batch = Batch(task, reply["lease"], reply["trainer_version"], reply["rows"])

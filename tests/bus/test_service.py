@@ -262,6 +262,31 @@ async def test_a_take_still_waiting_for_a_succeeded_client_leases_it_nothing(tmp
         await sup.__aexit__(None, None, None)
 
 
+async def test_a_take_given_up_before_its_answer_gets_its_rows_at_the_next_take(tmp_path) -> None:
+    # The client stops waiting (cancelled, or its own timeout) while the bus still holds the
+    # take; rows arrive and the bus leases them to that take, whose answer nobody reads. The
+    # client's next take of the task goes under the same id and gets that lease, instead of
+    # waiting for it to expire (an hour here).
+    sup, url = await start_bus(tmp_path, lease_timeout=3600.0)
+    try:
+        async with await BusClient.connect(url, client_id="trainer") as bus:
+            given_up = asyncio.create_task(bus.take_batch("reward", batch_size=2, wait=30))
+            await wait_until(lambda: _waiting(bus), what="the take waiting at the bus")
+            given_up.cancel()
+            await bus.put(rows("a", 2))
+            await wait_until(lambda: _leases(bus), what="the lease granted to the given-up take")
+            batch = await bus.take_batch("reward", batch_size=2, wait=5)
+            assert [r["uid"] for r in batch.rows] == ["a/0", "a/1"]
+            assert {r["attempt"] for r in batch.rows} == {1}  # that very lease
+            assert await bus.ack(batch) == 2
+    finally:
+        await sup.__aexit__(None, None, None)
+
+
+async def _leases(client: BusClient) -> bool:
+    return (await client.statistics())["leases"] == 1
+
+
 async def _waiting(client: BusClient) -> bool:
     # Handlers running: this statistics request, and the take.
     return (await client.statistics())["transport"]["in_flight"] >= 2
