@@ -346,13 +346,12 @@ class WeightPublisher:
             return True
         if isinstance(failed, BaseException) and not isinstance(failed, TransportError):
             raise failed
-        why = (
-            failed
-            if failed is not None
-            else "abandoned: the publisher is stopping"
-            if self._abandoned.is_set()
-            else f"receivers left the plane: {left}"
-        )
+        if failed is not None:
+            why = failed
+        elif self._abandoned.is_set():
+            why = "abandoned: the publisher is stopping"
+        else:
+            why = f"receivers left the plane: {left}"
         self._stats["group_failures"] += 1
         self._failed_at = time.monotonic()
         self._stats["last_failure"] = str(why).splitlines()[0]

@@ -89,6 +89,12 @@ class BusLedger:
         }
 
 
+def bus_ops(run_dir: Path, bus: str = "samples") -> list[dict[str, Any]]:
+    """Every op ``run_dir``'s ``bus`` logged, in order (the bus must be stopped)."""
+    with SegmentLog(run_dir / bus / "bus-log") as log:
+        return [loads(record) for _, record in log.replay()]
+
+
 def replay_samples_bus(run_dir: Path, bus: str = "samples") -> BusLedger:
     """Replay ``run_dir/samples/bus-log`` (the bus must be stopped) into a ``BusLedger``
     (``bus="prompts"``: the prompts bus, whose one task is ``"rollout"``)."""

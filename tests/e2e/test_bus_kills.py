@@ -85,9 +85,9 @@ async def test_either_bus_killed_at_a_moment_of_the_run(tmp_path) -> None:
     # before the second kill.)
     steps = 100_000
     # A take whose reply died with the bus gets its lease again when its client resends it
-    # (tests/e2e/test_sync.py); one whose client gave up first (its wait ran out while the
-    # bus was down) leaves its rows leased to no one until the lease runs out: a short lease
-    # keeps that wait (not an error) short.
+    # (tests/e2e/test_sync.py), and one whose client gave up first (its wait ran out while
+    # the bus was down) at the client's next take of the task under the same id
+    # (tests/bus/test_service.py). The short lease bounds what neither covers.
     overrides = [*OVERRIDES, f"trainer.steps={steps}", "bus.lease_timeout=10"]
     cfg = load_config(RECIPE, overrides=overrides)
     layout = cluster.prepare(cfg, tmp_path / "run")

@@ -12,14 +12,13 @@ import pytest
 from safetensors.torch import load_file
 
 from relax import cluster
-from relax.bus._log import SegmentLog
 from relax.bus._service import KILL_AT_ENV
-from relax.config import load_config
+from relax.cluster import Layout
+from relax.config import ClusterConfig, load_config
 from relax.roles._common import STALL_AT_ENV
 from relax.sync import run_sync
-from relax.transport._wire import loads
 from tests.actors.helpers import restarted, running_pid
-from tests.e2e.audit import captured_logs, hang_explained, read_logs
+from tests.e2e.audit import bus_ops, captured_logs, hang_explained, read_logs
 from tests.polling import wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -173,18 +172,12 @@ async def test_staleness_0_with_a_bus_killed_before_answering_a_take_equals_a_sy
     cfg = load_config(RECIPE, overrides=overrides)
     await cluster.run(cfg, tmp_path / "cluster")
     assert (tmp_path / "cluster" / bus / f"killed-at-{kill.split('@')[0]}").exists()
-    with SegmentLog(tmp_path / "cluster" / bus / "bus-log") as log:
-        ops = [loads(record) for _, record in log.replay()]
+    ops = bus_ops(tmp_path / "cluster", bus)
     assert [op for op in ops if op["op"] == "expire"] == []  # no lease stranded, none expired
     assert max(s["take_time_s"] for s in steps(tmp_path / "cluster")[1:]) < 15
     monkeypatch.delenv(KILL_AT_ENV)
     await run_sync(cfg, tmp_path / "sync")
     assert_same_run(tmp_path / "cluster", tmp_path / "sync")
-
-
-def bus_ops(run_dir: Path, bus: str) -> list[dict]:
-    with SegmentLog(run_dir / bus / "bus-log") as log:
-        return [loads(record) for _, record in log.replay()]
 
 
 @pytest.mark.timeout(300)
@@ -231,7 +224,7 @@ async def test_staleness_0_with_roles_sigkilled_holding_leases_equals_a_synchron
     assert_same_run(run_dir, tmp_path / "sync")
 
 
-async def _kill_at_holds(cfg, layout, holds: tuple[str, ...]) -> None:
+async def _kill_at_holds(cfg: ClusterConfig, layout: Layout, holds: tuple[str, ...]) -> None:
     """Run the cluster, SIGKILL each child held at its stall point, in order; wait the end."""
     run_dir = layout.run_dir
     async with cluster.build_tree(cfg, layout) as tree:
