@@ -156,7 +156,7 @@ async def role_recovery(
     kills: int, standby: bool, staleness: str
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Per role of a running digits run (see the module docstring), SIGKILL -> serving again
-    and SIGKILL -> training again; with ``standby``, each kill waits until the role's warm
+    and SIGKILL -> training again; with ``standby``, each kill waits until every role's warm
     spare is ready."""
     from relax import cluster
     from relax.bus import BusClient
@@ -199,9 +199,13 @@ async def role_recovery(
                     old = (await running(role))[0]
                     await asyncio.sleep(1.0)  # let the run settle after the previous kill
                     if standby:
-                        await wait_until(
-                            lambda role=role: spare_ready(role), 120, f"{role}'s spare"
-                        )
+                        # Every role's spare, not only this one's: a spare still starting (the
+                        # one replacing the previous kill's) is an interpreter importing torch,
+                        # a core's worth of work that would slow this recovery, not be part of it.
+                        for each in ROLES:
+                            await wait_until(
+                                lambda each=each: spare_ready(each), 120, f"{each}'s spare"
+                            )
                     start = time.perf_counter()
                     os.kill(old, signal.SIGKILL)
                     while True:
