@@ -75,6 +75,7 @@ from relax.engines._base import (
     thread_callbacks,
     with_rates,
 )
+from relax.engines._fast_decode import fast_decoder
 from relax.models import (
     MediaSpec,
     RoutingRecorder,
@@ -122,6 +123,7 @@ class HFEngine(GenerationEngine):
         tokenizer: PreTrainedTokenizerBase | None = None,
         interruptible: bool = False,
         compact: bool = True,
+        fast_decode: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise EngineError(f"max_batch_size must be at least 1, got {max_batch_size}")
@@ -154,6 +156,9 @@ class HFEngine(GenerationEngine):
         self.compact = compact
         """Finished rows leave the decode batch (see ``_Live``); ``False`` keeps every row
         of a batch in every forward pass until its longest ends, as ``generate`` does."""
+        self._fast = fast_decoder(self.model) if fast_decode else None
+        """Decode steps without the forward pass's machinery, same logits (``_fast_decode``);
+        ``None``: every step through ``model(...)`` (other architectures, or not asked for)."""
         self._pending_lock = threading.Lock()
         self._pending: list[tuple[int, list[tuple[str, torch.Tensor]], Future[None]]] = []
         self._generating = False
@@ -188,6 +193,7 @@ class HFEngine(GenerationEngine):
         lora: LoraConfig | None = None,
         device: str = "cpu",
         compact: bool = True,
+        fast_decode: bool = True,
     ) -> HFEngine:
         """Load a local HF model folder (see ``load_policy``) and serve it on ``device`` (a
         config's device: "auto", "cpu", "cuda[:N]"); with ``lora``, with fresh adapters (an
@@ -205,6 +211,7 @@ class HFEngine(GenerationEngine):
             tokenizer=tok,
             interruptible=interruptible,
             compact=compact,
+            fast_decode=fast_decode,
         )
 
     # ------------------------------------------------------------------ interface
@@ -381,6 +388,10 @@ class HFEngine(GenerationEngine):
         else:
             out, next_position = self._prefill_media(input_ids, attention, positions, jobs)
         cache, logits = out.past_key_values, out.logits[:, -1, :].float()
+        fast = None
+        if self._fast is not None and recorder is None and self._media is None:
+            fast = self._fast.start(cache, attention, params.max_new_tokens)
+            cache = cache if fast is None else fast
         stops = torch.tensor(sorted(params.stop_token_ids), dtype=torch.long, device=device)
         tokens: list[torch.Tensor] = []
         logprobs: list[torch.Tensor] = []
@@ -449,14 +460,17 @@ class HFEngine(GenerationEngine):
                     attention, next_position = attention[keep], next_position[keep]
                     counts = None if counts is None else counts[keep]
                 feed = feed[live.index]
-            out = self.model(
-                input_ids=feed.unsqueeze(-1),
-                attention_mask=attention,
-                position_ids=next_position,
-                past_key_values=cache,
-                use_cache=True,
-            )
-            cache, logits = out.past_key_values, out.logits[:, -1, :].float()
+            if fast is not None:
+                logits = self._fast.step(fast, feed.unsqueeze(-1), next_position).float()
+            else:
+                out = self.model(
+                    input_ids=feed.unsqueeze(-1),
+                    attention_mask=attention,
+                    position_ids=next_position,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                cache, logits = out.past_key_values, out.logits[:, -1, :].float()
             next_position = next_position + 1
         routed = self._routed(recorder, jobs, width, len(tokens), ended_at)
         result = self._outputs(
