@@ -9,9 +9,9 @@ op for op — the model's own norm and rotary modules, its ``apply_rotary_pos_em
 projections, and attention called as ``sdpa_attention_forward`` calls it (a mask and repeated
 KV heads when a row is padded, no mask and grouped heads when none is) — so the logits are
 those of ``model(...)`` bit for bit (tested per architecture, with padding, through weight
-swaps and compaction). The prefill still goes through ``model(...)``; its cache is copied once
-into buffers that hold every token of the batch, and the weights are read from the modules at
-each step, so an update copied into them between two tokens is used at the next.
+swaps and compaction). The prefill still goes through ``model(...)``; its cache is copied into
+buffers that grow in steps, and the weights are read from the modules at each step, so an
+update copied into them between two tokens is used at the next.
 
 Anything else — another architecture or a subclass, LoRA layers, sliding windows, an
 attention implementation other than ``sdpa``, MoE, media — keeps the Hugging Face path:
@@ -163,31 +163,43 @@ def _repeat_kv(states: torch.Tensor, times: int) -> torch.Tensor:
 
 
 class FastCache:
-    """Keys and values of every layer in buffers sized for the whole decode, and the padding
-    mask; rows leave it together (``batch_select_indices``, as a ``DynamicCache``)."""
+    """Keys and values of every layer in buffers that grow in steps (not to the whole
+    decode at once: most rows may stop long before ``max_new_tokens``), and the padding mask;
+    rows leave it together (``batch_select_indices``, as a ``DynamicCache``)."""
+
+    GROWTH = 64  # tokens of room added at least, each time the buffers fill
 
     def __init__(self, cache: Any, attention: torch.Tensor, new_tokens: int) -> None:
         layers = cache.layers
-        rows, heads, width, dim = layers[0].keys.shape
-        capacity = width + new_tokens
         first = layers[0].keys
-        self.keys = first.new_zeros((len(layers), rows, heads, capacity, dim))
-        self.values = first.new_zeros((len(layers), rows, heads, capacity, dim))
+        rows, heads, width, dim = first.shape
+        self.limit = width + new_tokens
+        self.keys = first.new_empty((len(layers), rows, heads, width, dim))
+        self.values = first.new_empty((len(layers), rows, heads, width, dim))
         for index, layer in enumerate(layers):
-            self.keys[index, :, :, :width] = layer.keys
-            self.values[index, :, :, :width] = layer.values
+            self.keys[index] = layer.keys
+            self.values[index] = layer.values
         self.length = width
         # Padding only ever comes from the prompts' left padding: rows without any need no
         # mask, as transformers then passes none.
         self.padded = not bool(attention.all())
-        self.allowed = torch.ones((rows, 1, 1, capacity), dtype=torch.bool, device=first.device)
-        self.allowed[:, 0, 0, :width] = attention.bool()
+        self.allowed = attention.bool()[:, None, None, :]
 
     def append(self) -> int:
         """Room for the next token; returns its index."""
         at = self.length
+        if at == self.keys.shape[3]:
+            self._grow(min(self.limit, at + max(self.GROWTH, at // 2)))
         self.length += 1
         return at
+
+    def _grow(self, capacity: int) -> None:
+        def wider(buffer: torch.Tensor, fill: Any) -> torch.Tensor:
+            shape = (*buffer.shape[:3], capacity - buffer.shape[3], *buffer.shape[4:])
+            return torch.cat([buffer, buffer.new_full(shape, fill)], 3)
+
+        self.keys, self.values = wider(self.keys, 0), wider(self.values, 0)
+        self.allowed = wider(self.allowed, True)
 
     def mask(self) -> torch.Tensor | None:
         return self.allowed[..., : self.length] if self.padded else None

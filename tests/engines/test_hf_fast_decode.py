@@ -18,7 +18,7 @@ from transformers import (
 
 from relax.config import LoraConfig, ModelInitConfig
 from relax.engines import HFEngine, SamplingParams
-from relax.engines._fast_decode import fast_decoder
+from relax.engines._fast_decode import FastCache, fast_decoder
 from relax.models import apply_lora, build_tiny_model, load_policy, stop_token_ids
 from tests.tiny import spread_lengths
 
@@ -69,7 +69,10 @@ def _prefill(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor)
 
 
 @pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "no padding"])
-def test_every_step_s_logits_are_the_forward_pass_s(model_dir: Path, padded: bool) -> None:
+def test_every_step_s_logits_are_the_forward_pass_s(
+    model_dir: Path, padded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(FastCache, "GROWTH", 2)  # the cache's buffers grow several times
     model = load_policy(model_dir)[0].eval()
     fast = fast_decoder(model)
     assert fast is not None
