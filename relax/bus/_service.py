@@ -367,9 +367,12 @@ class BusService(Actor):
 
     async def _op_admit(self, req: dict[str, Any], peer: Peer) -> str:
         verdict = "full"
+        generation = self.reclaims[peer.id]
 
         def attempt() -> Any:
             nonlocal verdict
+            if self.reclaims[peer.id] != generation:
+                return []  # its client died and another took its name: admit nothing
             ops, verdict = self.table.admit(
                 req["group"],
                 int(req["rows"]),
@@ -398,9 +401,15 @@ class BusService(Actor):
             raise BusError(f"admit_many carries a non-empty list of group ids, got {groups!r:.60}")
         rows, version = int(req["rows"]), int(req["version"])
         verdicts: list[str] = []
+        generation = self.reclaims[peer.id]
 
         def attempt() -> Any:
             ops: list[Op] = []
+            if self.reclaims[peer.id] != generation:
+                # Its client died and another took its name: the room is the successor's,
+                # not held for a group the dead one will never generate.
+                verdicts[:] = verdicts or ["full"]
+                return ops
             verdicts.clear()
             now = time.time()
             for group in groups:

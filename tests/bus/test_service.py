@@ -262,6 +262,39 @@ async def test_a_take_still_waiting_for_a_succeeded_client_leases_it_nothing(tmp
         await sup.__aexit__(None, None, None)
 
 
+@pytest.mark.parametrize("many", [True, False], ids=["admit_many", "admit"])
+async def test_an_admission_still_waiting_for_a_succeeded_client_admits_nothing(
+    tmp_path, many: bool
+) -> None:
+    # A rollout SIGKILLed while its admission waits for room at the bus; its successor
+    # reclaims under the same name. The dead one's wait is answered at once and admits
+    # nothing: granted when room came, it held that room for a group nobody would generate.
+    sup, url = await start_bus(tmp_path, tasks=["train"], staleness="inf", capacity=2)
+
+    async def admit(client: BusClient, group: str, wait: float) -> str:
+        if many:
+            return (await client.admit_many([group], 2, version=0, wait=wait))["verdicts"][0]
+        return await client.admit(group, 2, version=0, wait=wait)
+
+    try:
+        async with (
+            await BusClient.connect(url, client_id="rollout-0") as dead,
+            await BusClient.connect(url, client_id="rollout-0") as successor,
+        ):
+            assert await admit(dead, "a", 0) == "ok"
+            orphan = asyncio.create_task(admit(dead, "b", 30))
+            await wait_until(lambda: _waiting(successor), what="the admission waiting at the bus")
+            await successor.reclaim()
+            assert await asyncio.wait_for(orphan, 10) == "full"
+            await successor.put(rows("a", 2))
+            async with successor.take("train", batch_size=2):
+                pass  # a finishes: room for one group
+            assert (await successor.statistics())["admitted_rows"] == 0  # b was not admitted
+            assert await admit(successor, "c", 0) == "ok"  # the room is the successor's
+    finally:
+        await sup.__aexit__(None, None, None)
+
+
 async def test_a_take_given_up_before_its_answer_gets_its_rows_at_the_next_take(tmp_path) -> None:
     # The client stops waiting (cancelled, or its own timeout) while the bus still holds the
     # take; rows arrive and the bus leases them to that take, whose answer nobody reads. The
