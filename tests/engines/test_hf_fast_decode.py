@@ -68,12 +68,13 @@ def _prefill(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor)
     return out.past_key_values, positions[:, -1:] + 1
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "no padding"])
 def test_every_step_s_logits_are_the_forward_pass_s(
-    model_dir: Path, padded: bool, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, padded: bool, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(FastCache, "GROWTH", 2)  # the cache's buffers grow several times
-    model = load_policy(model_dir)[0].eval()
+    model = load_policy(model_dir, dtype)[0].eval()
     fast = fast_decoder(model)
     assert fast is not None
     g = torch.Generator().manual_seed(1)
@@ -92,7 +93,7 @@ def test_every_step_s_logits_are_the_forward_pass_s(
             feed = torch.randint(3, vocab, (position.shape[0], 1), generator=g)
             if step == 3:  # new weights copied in between two tokens, as an update lands
                 for p in model.parameters():
-                    p.add_(torch.randn(p.shape, generator=g) * 0.05)
+                    p.add_((torch.randn(p.shape, generator=g) * 0.05).to(p.dtype))
             if step == 5:  # rows leave the batch, as finished ones do
                 keep = torch.tensor([0, 2, 3])
                 cache.batch_select_indices(keep)
