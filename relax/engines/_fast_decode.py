@@ -4,7 +4,8 @@ machinery of a Hugging Face forward pass.
 One decode step of a small model is bound by that machinery, not by its matrix multiplies: the
 mask built from the attention mask at every call, the cache object, the output dataclasses,
 the hooks and wrappers of every module (a 2-layer, 256-wide Qwen2 decoding 16 rows on one CPU
-thread: 71 ms for 32 steps through ``model(...)``, 43 ms here). This runs the same arithmetic
+thread, a prefill and 32 steps, the model's passes alone: 81 ms through ``model(...)``, 56 ms
+here; a whole rollout call, sampling included: ``bench/fast_decode.py``). This runs the same arithmetic
 op for op — the model's own norm and rotary modules, its ``apply_rotary_pos_emb``, the same
 projections, and attention called as ``sdpa_attention_forward`` calls it (a mask and repeated
 KV heads when a row is padded, no mask and grouped heads when none is) — so the logits are
