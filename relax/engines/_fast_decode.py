@@ -5,14 +5,14 @@ One decode step of a small model is bound by that machinery, not by its matrix m
 mask built from the attention mask at every call, the cache object, the output dataclasses,
 the hooks and wrappers of every module (a 2-layer, 256-wide Qwen2 decoding 16 rows on one CPU
 thread, a prefill and 32 steps, the model's passes alone: 81 ms through ``model(...)``, 56 ms
-here; a whole rollout call, sampling included: ``bench/fast_decode.py``). This runs the same arithmetic
-op for op — the model's own norm and rotary modules, its ``apply_rotary_pos_emb``, the same
-projections, and attention called as ``sdpa_attention_forward`` calls it (a mask and repeated
-KV heads when a row is padded, no mask and grouped heads when none is) — so the logits are
-those of ``model(...)`` bit for bit (tested per architecture, with padding, through weight
-swaps and compaction). The prefill still goes through ``model(...)``; its cache is copied into
-buffers that grow in steps, and the weights are read from the modules at each step, so an
-update copied into them between two tokens is used at the next.
+here; a whole rollout call, sampling included: ``bench/fast_decode.py``). This runs the same
+arithmetic op for op — the model's own norm and rotary modules, its ``apply_rotary_pos_emb``,
+the same projections, and attention called as ``sdpa_attention_forward`` calls it (a mask and
+repeated KV heads when a row is padded, no mask and grouped heads when none is) — so the
+logits are those of ``model(...)`` bit for bit (tested per architecture, with padding,
+through weight swaps and compaction). The prefill still goes through ``model(...)``; its
+cache is copied into buffers that grow in steps, and the weights are read from the modules at
+each step, so an update copied into them between two tokens is used at the next.
 
 Anything else — another architecture or a subclass, LoRA layers, sliding windows, an
 attention implementation other than ``sdpa``, MoE, media — keeps the Hugging Face path:
