@@ -14,6 +14,7 @@ Run: ``python bench/fast_decode.py [--scale scaled|digits|100m] [--rows 16] [--t
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import statistics
 import sys
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import SCALES, limit_threads, quiet, recipe
 
 
-def main(args: argparse.Namespace) -> None:
+async def main(args: argparse.Namespace) -> None:
     import torch
 
     from relax.engines import HFEngine, SamplingParams
@@ -58,7 +59,7 @@ def main(args: argparse.Namespace) -> None:
             out = {}
             for name, engine in engines.items():
                 started = time.perf_counter()
-                out[name] = engine._generate_sync(ids, params, seeds, [None] * len(ids))
+                out[name] = await engine.generate(ids, params, seeds=seeds)
                 if call >= 2:  # the first two warm up
                     took[name].append(time.perf_counter() - started)
             a, b = out["fast"], out["forward pass"]
@@ -86,4 +87,4 @@ if __name__ == "__main__":
     parser.add_argument("--calls", type=int, default=12)
     args = parser.parse_args()
     limit_threads(args.threads)
-    main(args)
+    asyncio.run(main(args))

@@ -18,6 +18,7 @@ import os
 import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,9 +107,9 @@ class BusService(Actor):
         # The weight plane's receivers, by the last time each polled (not logged: they poll
         # again within their lease after a bus restart).
         self.weight_members: dict[str, float] = {}
-        # Reclaims so far per client name: a take still waiting here for a client that has
-        # since been succeeded (a reclaim under its name) is answered with nothing, or it
-        # would lease rows to the dead (a warm spare takes over within a take's wait).
+        # Reclaims so far per client name: a take or admission still waiting here for a client
+        # that has since been succeeded (a reclaim under its name) is answered with nothing,
+        # or it would lease rows (or room) to the dead (a warm spare takes over within a wait).
         self.reclaims: Counter[str] = Counter()
         # Each receiver's client name (its last poll's): a new incarnation under that name
         # (``reclaim``) means this receiver is dead.
@@ -274,11 +275,11 @@ class BusService(Actor):
         columns = tuple(req.get("columns") or ())
         optional = tuple(req.get("optional") or ())
         dropped: list[Op] = []
-        generation = self.reclaims[peer.id]
+        succeeded = self._succession(peer)
 
         def attempt() -> Any:
-            if self.reclaims[peer.id] != generation:
-                return _SUCCEEDED  # its client died and another took its name: lease nothing
+            if succeeded():
+                return _SUCCEEDED  # lease nothing to the dead
             ops, lease = self.table.take(
                 req["task"],
                 columns=columns,
@@ -351,6 +352,13 @@ class BusService(Actor):
             async with self.changed:  # the next turn-take may go now
                 self.changed.notify_all()
 
+    def _succession(self, peer: Peer) -> Callable[[], bool]:
+        """Whether ``peer``'s name has been reclaimed since this call: its client died and a
+        new incarnation took the name, so a request of the dead one still waiting here (a take,
+        an admission) must get nothing."""
+        generation = self.reclaims[peer.id]
+        return lambda: self.reclaims[peer.id] != generation
+
     async def _op_reclaim(self, req: dict[str, Any], peer: Peer) -> dict[str, int]:
         """The caller is a new incarnation under its name: the leases held under it end now,
         and the weight plane's receivers that polled under it leave (the next group is formed
@@ -367,12 +375,12 @@ class BusService(Actor):
 
     async def _op_admit(self, req: dict[str, Any], peer: Peer) -> str:
         verdict = "full"
-        generation = self.reclaims[peer.id]
+        succeeded = self._succession(peer)
 
         def attempt() -> Any:
             nonlocal verdict
-            if self.reclaims[peer.id] != generation:
-                return []  # its client died and another took its name: admit nothing
+            if succeeded():
+                return []  # admit nothing for the dead: the room is its successor's
             ops, verdict = self.table.admit(
                 req["group"],
                 int(req["rows"]),
@@ -401,15 +409,12 @@ class BusService(Actor):
             raise BusError(f"admit_many carries a non-empty list of group ids, got {groups!r:.60}")
         rows, version = int(req["rows"]), int(req["version"])
         verdicts: list[str] = []
-        generation = self.reclaims[peer.id]
+        succeeded = self._succession(peer)
 
         def attempt() -> Any:
             ops: list[Op] = []
-            if self.reclaims[peer.id] != generation:
-                # Its client died and another took its name: the room is the successor's,
-                # not held for a group the dead one will never generate.
-                verdicts[:] = verdicts or ["full"]
-                return ops
+            if succeeded():
+                return ops  # admit nothing for the dead (verdicts: the last attempt's refusal)
             verdicts.clear()
             now = time.time()
             for group in groups:

@@ -388,10 +388,13 @@ class HFEngine(GenerationEngine):
         else:
             out, next_position = self._prefill_media(input_ids, attention, positions, jobs)
         cache, logits = out.past_key_values, out.logits[:, -1, :].float()
-        fast = None
-        if self._fast is not None and recorder is None and self._media is None:
-            fast = self._fast.start(cache, attention, params.max_new_tokens)
-            cache = cache if fast is None else fast
+        # (Never an MoE model, whose routing is recorded, nor one with media: not its classes.)
+        fast = (
+            None
+            if self._fast is None
+            else self._fast.start(cache, attention, params.max_new_tokens)
+        )
+        cache = cache if fast is None else fast
         stops = torch.tensor(sorted(params.stop_token_ids), dtype=torch.long, device=device)
         tokens: list[torch.Tensor] = []
         logprobs: list[torch.Tensor] = []

@@ -142,9 +142,7 @@ async def test_a_generation_is_the_one_decoded_through_the_forward_pass(
         assert len({len(g.response_ids) for g in a}) > 3
 
 
-async def test_weights_switched_between_tokens_decode_the_same(
-    model_dir: Path, tmp_path: Path
-) -> None:
+async def test_weights_switched_between_tokens_decode_the_same(model_dir: Path) -> None:
     """``regenerate`` switches versions between two tokens as an interruptible update does."""
     other = load_policy(model_dir)[0]
     with torch.no_grad():
