@@ -179,6 +179,14 @@ def check_exactly_once(ledger: BusLedger) -> None:
 # --------------------------------------------------------------------------- the trainer's ledger
 
 
+def check_no_lease_expired(run_dir: Path, ledger: BusLedger) -> None:
+    """On both buses, every dead role's leases came back by its successor's reclaim, none by
+    the lease timeout; a take still waiting for the dead one leased it nothing."""
+    assert ledger.counters["expired_leases"] == 0, ledger.summary()
+    prompts = replay_samples_bus(run_dir, bus="prompts")
+    assert prompts.counters["expired_leases"] == 0, prompts.summary()
+
+
 def read_trainer_ledger(run_dir: Path) -> list[dict[str, Any]]:
     """The trainer's ``trainer-ledger.jsonl``: per step, the ``[uid, attempt]`` it consumed."""
     path = run_dir / "trainer-ledger.jsonl"
