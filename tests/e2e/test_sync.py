@@ -15,7 +15,8 @@ from relax import cluster
 from relax.bus._service import KILL_AT_ENV
 from relax.cluster import Layout
 from relax.config import ClusterConfig, load_config
-from relax.roles._common import STALL_AT_ENV
+from relax.roles._common import STALL_AT_ENV, connect_bus
+from relax.roles._dataset import DatasetRole
 from relax.sync import run_sync
 from tests.actors.helpers import restarted, running_pid
 from tests.e2e.audit import bus_ops, captured_logs, hang_explained, read_logs
@@ -71,6 +72,8 @@ async def test_staleness_0_equals_a_synchronous_run(
 ) -> None:
     if stall:
         monkeypatch.setenv(STALL_AT_ENV, stall)
+    if layout:
+        monkeypatch.setattr(DatasetRole, "run", _prompts_once_both_replicas_connect)
     overrides = [
         "staleness=0",
         f"trainer.steps={STEPS}",
@@ -81,8 +84,14 @@ async def test_staleness_0_equals_a_synchronous_run(
     cfg = load_config(RECIPE, overrides=overrides)
     await cluster.run(cfg, tmp_path / "cluster")
     generated = tmp_path / "cluster" / "record" / "generations"
-    calls = {f.stem: len(f.read_text().splitlines()) for f in generated.glob("rollout-*.jsonl")}
-    assert sum(calls.values()) == STEPS * 4 // rollout_batch
+    lines = {f.stem: f.read_text().splitlines() for f in generated.glob("rollout-*.jsonl")}
+    calls = {name: len(calls) for name, calls in lines.items()}
+    # Every prompt generated once (a replica that leased before the dataset had put a full
+    # batch generates a call of fewer prompts: count prompts, not calls).
+    prompts = [
+        uid for calls in lines.values() for line in calls for uid in json.loads(line)["uids"]
+    ]
+    assert sorted(prompts) == sorted(set(prompts)) and len(prompts) == STEPS * 4
     if layout:  # the replicas started together and shared the work
         assert len(calls) == 2 and min(calls.values()) > 0, calls
     if stall:  # and the stall happened
@@ -90,6 +99,23 @@ async def test_staleness_0_equals_a_synchronous_run(
     monkeypatch.delenv(STALL_AT_ENV, raising=False)
     await run_sync(cfg, tmp_path / "sync")
     assert_same_run(tmp_path / "cluster", tmp_path / "sync")
+
+
+_dataset_run = DatasetRole.run
+
+
+async def _prompts_once_both_replicas_connect(self: DatasetRole) -> None:
+    """The dataset role (in this process), holding its prompts until both rollout replicas
+    have connected to the prompts bus: the two processes start at once, but a loaded machine
+    finishes their imports seconds apart, and a 10-step run then ended before the second one
+    served (CI: 20 calls on rollout-0, none on rollout-1)."""
+    async with await connect_bus(self.prompts_url, self.cfg, "dataset-probe") as probe:
+
+        async def both_connected() -> bool:  # sessions: this probe and the two replicas
+            return (await probe.statistics())["transport"]["clients"] >= 3
+
+        await wait_until(both_connected, 120, "both rollout replicas on the prompts bus")
+    await _dataset_run(self)
 
 
 def assert_same_run(cluster_run: Path, sync_run: Path) -> None:
