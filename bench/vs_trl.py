@@ -9,20 +9,25 @@ rate, gradient clipping at 1. The reward is Relax's exact-match verifier on both
 calls the very same verifier object as a reward function).
 
 - TRL 1.16: ``GRPOTrainer`` on CPU (``use_cpu``, no vLLM, fp32, gradient checkpointing off
-  like Relax), in a child process, once with each of ``--trl-threads`` torch thread counts
-  (default 1 and 2); the faster median is the baseline. (At this size a second intra-op thread
-  buys little, and on a busy machine OpenMP's spinning threads can make it ten times slower.)
+  like Relax), in child processes: one process with each of ``--trl-threads`` torch thread
+  counts (default 1 and 2), and ``--trl-processes`` data-parallel processes of one thread each
+  (default 2: ``torch.distributed`` on gloo, the environment ``accelerate launch`` sets; each
+  process generates and trains on half the completions). The fastest median is the baseline.
+  (At this size a second intra-op thread buys little, and on a busy machine OpenMP's spinning
+  threads can make it ten times slower.)
 - Relax: real ``relax.cluster.run`` clusters, rollout and trainer in their own processes:
   at "inf" one of each with ``--relax-threads`` torch threads (default 1: a core each, both
   busy at once); at staleness 0, where generation and training take turns, each phase on both
-  cores (``BOTH_CORES``: two rollout processes of one thread, a trainer of two), and, for
-  comparison, one rollout and one trainer process with ``--relax-threads`` each (``0, 1 rollout``).
+  cores: two rollout processes of one thread and either a DeepSpeed ZeRO-0 trainer gang of two
+  one-thread ranks (``DATA_PARALLEL``, ``relax-0-dp``) or one trainer process of two threads
+  (``BOTH_CORES``, ``relax-0``); and, for comparison, one rollout and one trainer process with
+  ``--relax-threads`` each (``relax-0-1r``). The DeepSpeed layout needs the ``deepspeed`` extra.
 
 Time per step is measured after start-up on both sides: from the ``--warmup``-th optimiser
 step to the last (TRL: a ``TrainerCallback.on_step_end`` clock; Relax: when each
 ``metrics.jsonl`` line appears). Configurations are repeated ``--rounds`` times, interleaved
 (the order rotates each round), and medians compared. The last lines are machine-readable:
-``sync_vs_trl = trl / relax staleness 0`` and ``async_vs_trl = trl / relax staleness inf``
+``sync_vs_trl = trl / relax staleness 0`` (its faster two-core layout) and ``async_vs_trl = trl / relax staleness inf``
 (time per step; above 1 means Relax is faster), after ``sync_one_rollout_vs_trl`` (the
 one-rollout layout at staleness 0).
 
@@ -30,10 +35,10 @@ Setup, once (TRL must not go into the main venv; ``.venv-bench`` is its own):
 
     python3 -m venv .venv-bench
     .venv-bench/bin/pip install torch==2.13.0        # the local CPU wheel, first
-    .venv-bench/bin/pip install -e .
+    .venv-bench/bin/pip install -e ".[deepspeed]"
     .venv-bench/bin/pip install -r bench/requirements-trl.txt
 
-(Re-run ``pip install -e .`` there whenever the project's dependencies change.)
+(Re-run ``pip install -e ".[deepspeed]"`` there whenever the project's dependencies change.)
 
 Run: ``.venv-bench/bin/python bench/vs_trl.py [--rounds 3] [--steps 30] [--scale digits|scaled|100m]``
 (about 3 minutes on 2 cores with the defaults; ``--scale scaled --steps 20 --trl-threads 1``
@@ -46,6 +51,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -81,13 +87,30 @@ BOTH_CORES = (
     "trainer.threads=2",
 )
 
+# The same two rollouts, and the trainer as two data-parallel ranks of one thread (DeepSpeed
+# ZeRO-0 over gloo, 16 rows each, gradients all-reduced). At these sizes a second intra-op
+# thread speeds a training step up by about a tenth, a second rank by about a quarter
+# (interleaved runs at the scaled size: gradient 108 against 124-135 ms). Still on-policy
+# (staleness 0), but its sums are a 2-rank gang's, so it matches a gang's run, not the
+# one-process `relax up --sync`.
+DATA_PARALLEL = (
+    *BOTH_CORES[:-1],
+    'trainer.backend="deepspeed"',
+    "trainer.zero_stage=0",
+    "trainer.gang=2",
+    "trainer.threads=1",
+    "trainer.micro_batch_size=16",
+)
+
+LAYOUTS = {"relax-0": BOTH_CORES, "relax-0-dp": DATA_PARALLEL}
+
 
 def relax_config(name: str, steps: int, scale: str) -> object:
-    """``relax-0`` (staleness 0, both cores in each phase), ``relax-0-1r`` (staleness 0, one
-    rollout and one trainer process on a core each) or ``relax-inf``."""
+    """``relax-0`` / ``relax-0-dp`` (staleness 0, both cores in each phase, see above),
+    ``relax-0-1r`` (staleness 0, one rollout and one trainer process on a core each) or
+    ``relax-inf``."""
     staleness = name.split("-")[1]
-    layout = BOTH_CORES if name == "relax-0" else ()
-    return recipe(staleness, steps, scale, EXACT_MATCH + layout)
+    return recipe(staleness, steps, scale, EXACT_MATCH + LAYOUTS.get(name, ()))
 
 
 # --------------------------------------------------------------------------- TRL (child process)
@@ -147,7 +170,9 @@ def trl_worker(spec: dict) -> dict:
         disable_tqdm=True,
         seed=cfg.trainer.seed,
         max_steps=spec["steps"],
-        per_device_train_batch_size=cfg.trainer.global_batch_size,  # completions
+        # Completions per process: with N processes each generates and trains on 1/N of them.
+        per_device_train_batch_size=cfg.trainer.global_batch_size // spec["processes"],
+        ddp_backend="gloo" if spec["processes"] > 1 else None,
         gradient_accumulation_steps=1,
         num_generations=n,
         max_completion_length=cfg.rollout.max_new_tokens,
@@ -182,20 +207,43 @@ def trl_worker(spec: dict) -> dict:
     return {"started": started, "stamps": stamps, "rewards": rewards}
 
 
-def trl_run(steps: int, scale: str, threads: int) -> Run:
+def trl_layout(name: str) -> tuple[int, int]:
+    """``(processes, threads)`` of a TRL configuration: ``trl-2t`` is one process of two
+    threads, ``trl-2p`` two data-parallel processes (``torch.distributed`` on gloo, as
+    ``accelerate launch`` would start them) of one thread each."""
+    count, kind = int(name[4:-1]), name[-1]
+    return (count, 1) if kind == "p" else (1, count)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trl_run(steps: int, scale: str, processes: int, threads: int) -> Run:
     with tempfile.TemporaryDirectory(prefix="relax-bench-trl-") as tmp:
         spec = {"steps": steps, "scale": scale, "threads": threads, "dir": tmp}
+        spec["processes"] = processes
         env = {**os.environ}
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env[name] = str(threads)
-        out = subprocess.run(
-            [sys.executable, __file__, "--trl-worker", json.dumps(spec)],
-            env=env,
-            check=True,
-            stdout=subprocess.PIPE,
-            text=True,
-        ).stdout
-    result = json.loads(out.strip().splitlines()[-1])
+        # The environment `torchrun` / `accelerate launch` give each rank (one process: none).
+        world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        world |= {"WORLD_SIZE": str(processes), "LOCAL_WORLD_SIZE": str(processes)}
+        workers = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--trl-worker", json.dumps(spec)],
+                env=env | (world | {"RANK": str(r), "LOCAL_RANK": str(r)} if processes > 1 else {}),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(processes)
+        ]
+        outs = [w.communicate()[0] for w in workers]
+        if any(w.returncode for w in workers):
+            raise RuntimeError(f"a TRL worker failed: exit codes {[w.returncode for w in workers]}")
+    result = json.loads(outs[0].strip().splitlines()[-1])  # rank 0's clock and rewards
     records = [{"applied": True, "reward_mean": r} for r in result["rewards"]]
     records += [{"applied": True}] * (len(result["stamps"]) - len(records))
     return Run(result["started"], result["stamps"][-1], result["stamps"], records)
@@ -207,8 +255,9 @@ def trl_run(steps: int, scale: str, threads: int) -> Run:
 async def main(args: argparse.Namespace) -> None:
     quiet()
     total = args.warmup + args.steps + 1
-    trls = [f"trl-{t}t" for t in args.trl_threads]
-    configs = (*trls, "relax-0", "relax-0-1r", "relax-inf")
+    trls = [f"trl-{t}t" for t in args.trl_threads] + [f"trl-{p}p" for p in args.trl_processes]
+    relax = ("relax-0-dp", "relax-0", "relax-0-1r", "relax-inf")
+    configs = (*trls, *relax)
     runs: dict[str, list[Run]] = {c: [] for c in configs}
     clock = time.monotonic()
     print(f"load average before: {load_average()}", flush=True)
@@ -216,8 +265,7 @@ async def main(args: argparse.Namespace) -> None:
         shift = r % len(configs)
         for name in configs[shift:] + configs[:shift]:
             if name.startswith("trl-"):
-                threads = int(name[4:-1])
-                run = await asyncio.to_thread(trl_run, total, args.scale, threads)
+                run = await asyncio.to_thread(trl_run, total, args.scale, *trl_layout(name))
             else:
                 run = await timed_run(relax_config(name, total, args.scale))
             runs[name].append(run)
@@ -245,23 +293,28 @@ async def main(args: argparse.Namespace) -> None:
         f"\ndigits/{args.scale}{scale}; 4 prompts x 8 samples per step, exact-match reward;"
         f" median of {args.rounds} runs, {args.steps} timed steps each; Relax"
         f" {args.relax_threads} thread(s) in each of the rollout and trainer processes"
-        " (staleness 0: two 1-thread rollouts, a 2-thread trainer)"
+        " (staleness 0: two 1-thread rollouts, a trainer gang of two 1-thread ranks or a"
+        " 2-thread trainer)"
     )
-    labels = {"relax-0": "Relax staleness 0", "relax-0-1r": "Relax 0, 1 rollout"}
-    labels["relax-inf"] = "Relax inf"
-    labels |= {c: f"TRL, {c[4:-1]} thread(s)" for c in trls}
+    labels = {"relax-0-dp": "Relax 0, gang of 2", "relax-0": "Relax 0, 2 threads"}
+    labels |= {"relax-0-1r": "Relax 0, 1 rollout", "relax-inf": "Relax inf"}
+    labels |= {c: "TRL, {} process(es) x {} thread(s)".format(*trl_layout(c)) for c in trls}
     for c in configs:
         print(
-            f"{labels[c]:<18} {per[c] * 1e3:7.1f} ms/step  runs {every[c]}  "
+            f"{labels[c]:<20} {per[c] * 1e3:7.1f} ms/step  runs {every[c]}  "
             f"reward (last quarter) {reward(c):.3f}" + ("  <- TRL baseline" if c == best else "")
         )
-    for c in ("relax-0", "relax-0-1r", "relax-inf"):  # the trainer's phases: the next cost
-        print(f"{labels[c]:<18} {phase_line(runs[c], args.warmup)}")
+    for c in relax:  # the trainer's phases: the next cost
+        print(f"{labels[c]:<20} {phase_line(runs[c], args.warmup)}")
+    # On-policy Relax at its best, like TRL: the faster of the two two-core layouts.
+    sync = min(("relax-0-dp", "relax-0"), key=lambda c: per[c])
     print(f"trl_ms_per_step = {per[best] * 1e3:.1f}")
-    print(f"relax_s0_ms_per_step = {per['relax-0'] * 1e3:.1f}")
+    print(f"relax_s0_ms_per_step = {per[sync] * 1e3:.1f}")
     print(f"relax_inf_ms_per_step = {per['relax-inf'] * 1e3:.1f}")
+    print(f"sync_threads_vs_trl = {per[best] / per['relax-0']:.3f}")
+    print(f"sync_gang_vs_trl = {per[best] / per['relax-0-dp']:.3f}")
     print(f"sync_one_rollout_vs_trl = {per[best] / per['relax-0-1r']:.3f}")
-    print(f"sync_vs_trl = {per[best] / per['relax-0']:.3f}")
+    print(f"sync_vs_trl = {per[best] / per[sync]:.3f}")
     print(f"async_vs_trl = {per[best] / per['relax-inf']:.3f}")
 
 
@@ -277,7 +330,13 @@ if __name__ == "__main__":
         "--trl-threads",
         type=lambda s: [int(t) for t in s.split(",")],
         default=[1, 2],
-        help="torch thread counts to run TRL with; the fastest is the baseline",
+        help="torch thread counts to run TRL with in one process; the fastest is the baseline",
+    )
+    parser.add_argument(
+        "--trl-processes",
+        type=lambda s: [int(t) for t in s.split(",") if t],
+        default=[2],
+        help="data-parallel process counts (one thread each) to run TRL with too ('' for none)",
     )
     parser.add_argument("--relax-threads", type=int, default=1)
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
@@ -291,5 +350,9 @@ if __name__ == "__main__":
 
         if importlib.util.find_spec("trl") is None:
             parser.error("trl is not installed here: run with .venv-bench/bin/python (see above)")
+        if importlib.util.find_spec("deepspeed") is None:
+            parser.error(
+                'the gang layout needs DeepSpeed: pip install -e ".[deepspeed]" (see above)'
+            )
         limit_threads(args.relax_threads)
         asyncio.run(main(args))
