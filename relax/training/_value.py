@@ -220,7 +220,9 @@ class CriticTrainer:
         self.micro_batch_size = micro_batch_size
         self.epochs = epochs
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self._params, lr=lr, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(  # fused: as the policy's (TorchBackend)
+            self._params, lr=lr, weight_decay=weight_decay, fused=True
+        )
         self.updates = 0
         self.skipped = 0
         self._lock = threading.Lock()
