@@ -58,6 +58,7 @@ def deepspeed_config(cfg: TrainerConfig, world_size: int, mode: str) -> dict[str
                 "eps": 1e-8,
                 "weight_decay": cfg.weight_decay,
                 "torch_adam": True,
+                "fused": True,  # passed to torch's AdamW, as TorchBackend's
             },
         },
         "gradient_clipping": cfg.grad_clip,

@@ -329,3 +329,11 @@ def test_a_zero3_publish_gathers_one_weight_at_a_time(load_model, monkeypatch) -
     sizes = [p.ds_numel for p in backend.model.parameters()]
     assert whole["peak"] == max(sizes) < sum(sizes)
     assert sum(t.numel() for t in state.values()) >= sum(sizes)  # and every weight came out
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_adamw_is_torchs_fused_one_like_the_torch_backend(load_model, stage: int) -> None:
+    ds, plain = _ds(load_model(), stage=stage), _torch(load_model())
+    inner = ds.engine.basic_optimizer  # under ZeRO's wrapper: the optimiser DeepSpeed built
+    assert type(inner) is torch.optim.AdamW and inner.defaults["fused"] is True
+    assert plain.optimizer.defaults["fused"] is True
