@@ -344,7 +344,10 @@ if __name__ == "__main__":
     if args.trl_worker:
         spec = json.loads(args.trl_worker)
         limit_threads(spec["threads"])
-        print(json.dumps(trl_worker(spec)))
+        print(json.dumps(trl_worker(spec)), flush=True)
+        # No interpreter teardown: with several processes, gloo's threads abort (SIGABRT) or
+        # hang (destroying the group first leaves DDP's reducer stuck in its destructor).
+        os._exit(0)
     else:
         import importlib.util
 
