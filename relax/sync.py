@@ -20,6 +20,7 @@ from typing import Any
 from relax.cluster import Layout, prepare
 from relax.config import ClusterConfig
 from relax.engines import open_engine
+from relax.log import get_logger
 from relax.models import OMNI_ARCHS, load_tokenizer, stop_token_ids
 from relax.rewards import RewardSet
 from relax.roles import generate_groups, prompt_row, prompt_stream, sample_rows, score_rows
@@ -46,6 +47,14 @@ async def run_sync(cfg: ClusterConfig, run_dir: str | Path | None = None) -> Lay
         cfg.reward, answer_key="answer", max_response_tokens=cfg.rollout.max_new_tokens
     )
     backend = build_backend(cfg, str(layout.model_dir))  # as the cluster's trainer starts
+    if cfg.trainer.gang > 1:
+        # The same rows and the same update, accumulated in one process: a gang's all-reduced
+        # sums differ from it in the last bits, so the gang's run is not this one bit for bit.
+        get_logger().warning(
+            "the synchronous run trains the gang's batch in one process",
+            gang=cfg.trainer.gang,
+            micro_batches=cfg.trainer.global_batch_size // cfg.trainer.micro_batch_size,
+        )
     n = cfg.data.n_samples_per_prompt
     groups_per_step = cfg.trainer.global_batch_size // n
     stops = stop_token_ids(tokenizer)

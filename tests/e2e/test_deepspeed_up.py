@@ -47,3 +47,37 @@ async def test_zero2_gang_of_two_trains_the_recipe(tmp_path: Path) -> None:
     with pytest.raises(RecordError, match="gang of 2 ranks"):
         replay(layout.run_dir)
     assert not (layout.run_dir / "replays" / "replay-1").exists()
+
+
+async def test_a_staleness_0_gang_trains_what_the_synchronous_run_trains(tmp_path: Path) -> None:
+    """`bench/vs_trl.py`'s data-parallel layout: ZeRO-0, two ranks of 16 rows. Its first step
+    sees exactly the synchronous run's samples; the update, summed over two ranks instead of
+    two micro-batches of one process, equals it to float rounding (and --sync says so)."""
+    from structlog.testing import capture_logs
+
+    from relax.sync import run_sync
+
+    overrides = [
+        'trainer.backend="deepspeed"',
+        "trainer.zero_stage=0",
+        "trainer.gang=2",
+        "trainer.micro_batch_size=16",
+        "trainer.steps=1",
+        "staleness=0",
+        'trainer.placement="process"',
+    ]
+    cfg = load_config(RECIPE, overrides=overrides)
+    gang = await cluster.run(cfg, tmp_path / "gang")
+    with capture_logs() as logs:
+        sync = await run_sync(cfg, tmp_path / "sync")  # placement aside: one loop, one process
+    assert any("gang's batch in one process" in e["event"] for e in logs), logs
+
+    def first(run_dir: Path) -> dict:
+        return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+
+    g, s = first(gang.run_dir), first(sync.run_dir)
+    assert g["applied"] and s["applied"] and g["world_size"] == 2.0
+    for key in ("reward_mean", "tokens", "rows"):  # the same samples
+        assert g[key] == s[key], key
+    for key in ("loss", "grad_norm"):
+        assert g[key] == pytest.approx(s[key], rel=1e-4, abs=1e-6), key
