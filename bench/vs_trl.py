@@ -41,8 +41,8 @@ Setup, once (TRL must not go into the main venv; ``.venv-bench`` is its own):
 (Re-run ``pip install -e ".[deepspeed]"`` there whenever the project's dependencies change.)
 
 Run: ``.venv-bench/bin/python bench/vs_trl.py [--rounds 3] [--steps 30] [--scale digits|scaled|100m]``
-(about 3 minutes on 2 cores with the defaults; ``--scale scaled --steps 20 --trl-threads 1``
-about 3 minutes too). Like every timing here it wants an otherwise idle machine.
+(about 4 minutes on 2 cores with the defaults; ``--scale scaled --steps 20`` about 6;
+``--trl-threads 2 --trl-processes ""`` leaves out the slower TRL runs). Like every timing here it wants an otherwise idle machine.
 """
 
 from __future__ import annotations
