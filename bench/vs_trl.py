@@ -27,9 +27,10 @@ Time per step is measured after start-up on both sides: from the ``--warmup``-th
 step to the last (TRL: a ``TrainerCallback.on_step_end`` clock; Relax: when each
 ``metrics.jsonl`` line appears). Configurations are repeated ``--rounds`` times, interleaved
 (the order rotates each round), and medians compared. The last lines are machine-readable:
-``sync_vs_trl = trl / relax staleness 0`` (its faster two-core layout) and ``async_vs_trl = trl / relax staleness inf``
-(time per step; above 1 means Relax is faster), after ``sync_one_rollout_vs_trl`` (the
-one-rollout layout at staleness 0).
+``sync_vs_trl = trl / relax staleness 0`` (its faster two-core layout) and
+``async_vs_trl = trl / relax staleness inf`` (time per step; above 1 means Relax is faster),
+after ``sync_threads_vs_trl``, ``sync_gang_vs_trl`` (each two-core layout) and
+``sync_one_rollout_vs_trl`` (the one-rollout layout at staleness 0).
 
 Setup, once (TRL must not go into the main venv; ``.venv-bench`` is its own):
 
@@ -42,7 +43,8 @@ Setup, once (TRL must not go into the main venv; ``.venv-bench`` is its own):
 
 Run: ``.venv-bench/bin/python bench/vs_trl.py [--rounds 3] [--steps 30] [--scale digits|scaled|100m]``
 (about 4 minutes on 2 cores with the defaults; ``--scale scaled --steps 20`` about 6;
-``--trl-threads 2 --trl-processes ""`` leaves out the slower TRL runs). Like every timing here it wants an otherwise idle machine.
+``--trl-threads 2 --trl-processes ""`` leaves out the slower TRL runs). Like every timing
+here it wants an otherwise idle machine.
 """
 
 from __future__ import annotations
