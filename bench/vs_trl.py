@@ -225,8 +225,8 @@ def _free_port() -> int:
 
 def trl_run(steps: int, scale: str, processes: int, threads: int) -> Run:
     with tempfile.TemporaryDirectory(prefix="relax-bench-trl-") as tmp:
-        spec = {"steps": steps, "scale": scale, "threads": threads, "dir": tmp}
-        spec["processes"] = processes
+        spec = {"steps": steps, "scale": scale, "threads": threads, "processes": processes}
+        spec["dir"] = tmp
         env = {**os.environ}
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env[name] = str(threads)
