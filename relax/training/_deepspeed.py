@@ -56,6 +56,7 @@ from relax.training._deepspeed_checkpoint import DS_TAG, aliases, load_weights_o
 from relax.training._deepspeed_config import (
     TORCH_DTYPES,
     deepspeed_config,
+    forget_groups_of_a_gone_world,
     no_cpu_kernels,
     precision,
 )
@@ -98,6 +99,7 @@ class DeepSpeedBackend(SafeStepBackend):
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         no_cpu_kernels()
         self.rank, self.world_size = init_world(rank, world_size)
+        forget_groups_of_a_gone_world()
         self.mode = precision(trainer_config.dtype)
         self.stage = trainer_config.effective_zero_stage or 0
         model = model.to(TORCH_DTYPES[self.mode])

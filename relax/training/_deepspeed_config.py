@@ -90,3 +90,27 @@ def no_cpu_kernels() -> None:
         deepspeed.ops.__compatible_ops__ = dict.fromkeys(ALL_OPS, False)
     else:
         probed.update(dict.fromkeys(probed, False))
+
+
+def forget_groups_of_a_gone_world() -> None:
+    """Make DeepSpeed forget the process groups it cached from a world that was torn down.
+
+    DeepSpeed clones the default group once per process and keeps the clone in module globals;
+    it drops them only when the world is destroyed through ``deepspeed.comm``. Code that
+    destroys it through torch instead (vLLM's cleanup does, in a process that also trains)
+    leaves a stale clone behind, and the next engine fails in its first broadcast with "Group
+    ... is not registered". A clone that torch no longer knows means every cached group is dead.
+    """
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    cached = getattr(groups, "_WORLD_GROUP", None)
+    if cached is None:
+        return
+    if dist.is_initialized() and cached in dist.distributed_c10d._world.pg_group_ranks:
+        return
+    release = getattr(groups, "_release_process_group_references", None)
+    if release is not None:
+        release(None)  # None: the whole world went, as deepspeed.comm's own teardown says
+    else:  # DeepSpeed before 0.18: the world's clone is what the data-parallel group is
+        groups._WORLD_GROUP = None

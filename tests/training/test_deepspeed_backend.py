@@ -337,3 +337,47 @@ def test_adamw_is_torchs_fused_one_like_the_torch_backend(load_model, stage: int
     inner = ds.engine.basic_optimizer  # under ZeRO's wrapper: the optimiser DeepSpeed built
     assert type(inner) is torch.optim.AdamW and inner.defaults["fused"] is True
     assert plain.optimizer.defaults["fused"] is True
+
+
+AFTER_A_TORN_DOWN_WORLD = """
+import json, sys
+import torch, torch.distributed as dist
+from transformers import AutoModelForCausalLM
+from relax.config import AlgorithmConfig, TrainerConfig
+from relax.training import DeepSpeedBackend
+from tests.training.conftest import PAD, make_rows
+
+def step():
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+    cfg = TrainerConfig(backend="deepspeed", zero_stage=0, lr=1e-3, micro_batch_size=2,
+                        global_batch_size=4)
+    return DeepSpeedBackend(model, cfg, AlgorithmConfig(), pad_id=PAD).step(make_rows(seed=1))
+
+first = step()
+dist.destroy_process_group()  # through torch, as vLLM's cleanup does, not deepspeed.comm
+second = step()
+print(json.dumps([first.applied, second.applied, first.metrics["loss"], second.metrics["loss"]]))
+"""
+
+
+def test_an_engine_starts_after_the_world_was_torn_down_through_torch(
+    tiny_model_dir: Path,
+) -> None:
+    """A process that trained, saw its torch.distributed world destroyed by other code (vLLM's
+    cleanup, in CI's test worker) and trains again: DeepSpeed's clone of the old world is
+    forgotten, so the new engine does not fail on an unregistered group. In a child process:
+    the world is per process."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", AFTER_A_TORN_DOWN_WORLD, str(tiny_model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, second, first_loss, second_loss = json.loads(out.stdout.splitlines()[-1])
+    assert first and second
+    assert second_loss == first_loss  # the same model and rows: the same step
