@@ -591,11 +591,6 @@ class BusService(Actor):
         waiting for them part-way through a transfer."""
         return sorted(self.weight_left & {str(m) for m in req["members"]})
 
-    async def _op_w_left(self, req: dict[str, Any], peer: Peer) -> list[str]:
-        """Which of ``members`` left the plane on purpose (``w_leave``): the publisher stops
-        waiting for them part-way through a transfer."""
-        return sorted(self.weight_left & {str(m) for m in req["members"]})
-
     async def _op_w_members(
         self, req: dict[str, Any], peer: Peer
     ) -> list[str] | dict[str, dict[str, str | None]]:
