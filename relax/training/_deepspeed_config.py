@@ -112,5 +112,5 @@ def forget_groups_of_a_gone_world() -> None:
     release = getattr(groups, "_release_process_group_references", None)
     if release is not None:
         release(None)  # None: the whole world went, as deepspeed.comm's own teardown says
-    else:  # DeepSpeed before 0.18: the world's clone is what the data-parallel group is
+    else:  # an older DeepSpeed without it: the world's clone is the data-parallel group
         groups._WORLD_GROUP = None
