@@ -6,7 +6,8 @@ identical weights), the built-in one-digit additions (``relax.roles._prompts``),
 samples = 32 completions per step of at most ``rollout.max_new_tokens`` tokens, temperature 1,
 GRPO advantages, PPO-clip loss with token aggregation, no KL, AdamW at a constant learning
 rate, gradient clipping at 1. The reward is Relax's exact-match verifier on both sides (TRL
-calls the very same verifier object as a reward function).
+calls the very same verifier object as a reward function), scored where the samples were
+generated (TRL's trainer; Relax's rollouts, ``[reward] in_rollout``).
 
 - TRL 1.16: ``GRPOTrainer`` on CPU (``use_cpu``, no vLLM, fp32, gradient checkpointing off
   like Relax), in child processes: one process with each of ``--trl-threads`` torch thread
@@ -74,8 +75,13 @@ from bench._common import (
     timed_run,
 )
 
-# Both sides score with Relax's exact-match verifier (the digits recipe ships a format reward).
-EXACT_MATCH = ('reward.functions=[{name = "correct", kind = "exact_match"}]',)
+# Both sides score with Relax's exact-match verifier (the digits recipe ships a format reward),
+# in the process that generated the samples: TRL in its trainer, Relax in each rollout
+# ([reward] in_rollout; no reward role).
+EXACT_MATCH = (
+    'reward.functions=[{name = "correct", kind = "exact_match"}]',
+    "reward.in_rollout=true",
+)
 
 
 # At staleness 0 generation and training take turns, so each phase may have both cores (TRL's

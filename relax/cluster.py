@@ -7,7 +7,8 @@
     ├── samples    the TransferQueue of samples (tasks "reward", "train", and "reference" /
     │              "critic" when those roles are enabled; staleness-paced)
     ├── dataset    prompts → prompt bus
-    ├── reward-i   samples → reward column (failed rewards dropped with their group)
+    ├── reward-i   samples → reward column (failed rewards dropped with their group; none
+    │              with [reward] in_rollout, where each rollout scores what it generated)
     ├── reference-i  samples → ref_logprobs column ([reference] enabled; the frozen policy)
     ├── critic-0   samples with a reward → values column, then a critic update ([critic])
     ├── trainer    whole groups within the staleness bound → step → publish weights
@@ -240,8 +241,9 @@ def sample_tasks(cfg: ClusterConfig) -> list[str]:
 
 
 def scored_by_reward_role(cfg: ClusterConfig) -> bool:
-    """Whether samples are single replies the reward role scores (episodes score themselves)."""
-    return cfg.rollout.agent.kind == "single"
+    """Whether samples are single replies the reward role scores (episodes score themselves,
+    and with ``[reward] in_rollout`` the rollout scores its own)."""
+    return cfg.rollout.agent.kind == "single" and not cfg.reward.in_rollout
 
 
 def build_tree(cfg: ClusterConfig, layout: Layout) -> Supervisor:

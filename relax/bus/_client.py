@@ -140,9 +140,19 @@ class BusClient:
             wait,
         )
 
-    async def put(self, rows: list[NewRow], *, wait: float = 60.0) -> int:
-        """Add rows (all or nothing), waiting while the bus is full. Returns rows added."""
-        return await self._call({"op": "put", "rows": rows, "wait": wait}, wait)
+    async def put(
+        self, rows: list[NewRow], *, wait: float = 60.0, failed_groups: Iterable[str] = ()
+    ) -> int:
+        """Add rows (all or nothing), waiting while the bus is full. Returns rows added.
+
+        ``failed_groups``: groups among ``rows`` whose reward failed where they were scored
+        (a rollout scoring its own samples): put, then dropped with the rest of their group
+        in the same request, as the reward role drops them (``dropped_reward_failed``)."""
+        request: dict[str, Any] = {"op": "put", "rows": rows, "wait": wait}
+        failed = sorted(set(failed_groups))
+        if failed:
+            request["failed_groups"] = failed
+        return await self._call(request, wait)
 
     async def add_columns(self, uid: str, columns: dict[str, Any]) -> None:
         """Write columns of an existing row (each column once)."""

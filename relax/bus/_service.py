@@ -238,7 +238,10 @@ class BusService(Actor):
         # The whole put is checked once, before any of it is applied or waits for room: a
         # refused put leaves nothing in the table, so the table and the log always agree.
         check_rows(rows)
-        ops = await self._wait_for(lambda: self.table.put(rows, checked=True), req.get("wait"))
+        failed = req.get("failed_groups") or []
+        ops = await self._wait_for(
+            lambda: self.table.put(rows, checked=True, failed_groups=failed), req.get("wait")
+        )
         if ops is None:
             raise BusError("the bus stayed full for the whole wait")  # the client retries
         await self._commit(ops)

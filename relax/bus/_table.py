@@ -101,7 +101,13 @@ class BusTable(TableState):
 
     # ------------------------------------------------------------------ decisions
 
-    def put(self, rows: list[dict[str, Any]], *, checked: bool = False) -> list[Op] | None:
+    def put(
+        self,
+        rows: list[dict[str, Any]],
+        *,
+        checked: bool = False,
+        failed_groups: list[str] | tuple[str, ...] = (),
+    ) -> list[Op] | None:
         """Ops that add ``rows`` (all or nothing); ``None`` when the bus is full (wait).
 
         The whole put is checked before any of it is applied (``BadRow``/``BadColumn`` name
@@ -109,9 +115,20 @@ class BusTable(TableState):
         nothing behind. Rows already present or already finished are skipped: a retried put
         is harmless. ``checked``: the caller ran ``check_rows`` on these rows already (a put
         waiting for room is retried, and need not be checked again each time).
+
+        ``failed_groups``: groups of ``rows`` whose reward failed where they were scored; they
+        go on the bus and are dropped whole at once (``"reward_failed"``), as the reward role
+        drops them: the same counters, their admissions settled, later rows of theirs dropped.
         """
         if not checked:
             check_rows(rows)
+        if not (
+            isinstance(failed_groups, list | tuple)
+            and set(failed_groups) <= {r["group"] for r in rows}
+        ):
+            raise BusError(
+                f"failed_groups must be groups of the rows put, got {failed_groups!r:.80}"
+            )
         fresh: dict[str, dict[str, Any]] = {}
         for r in rows:
             if r["uid"] not in self.rows and r["uid"] not in self.finished:
@@ -142,7 +159,14 @@ class BusTable(TableState):
             ]
         if fresh:
             ops.append({"op": "put", "rows": list(fresh.values())})
-        return self._apply_all(ops)
+        self._apply_all(ops)
+        if failed_groups:  # after the put: the drop takes the rows it just added
+            groups = sorted(set(failed_groups))
+            uids = [u for g in groups for u in self.groups.get(g, ())]
+            ops += self._apply_all(
+                [{"op": "drop", "uids": uids, "groups": groups, "reason": "reward_failed"}]
+            )
+        return ops
 
     def _check_groups(self, fresh: dict[str, dict[str, Any]]) -> None:
         """Refuse rows that would make a group no whole-group take can ever complete: larger

@@ -468,6 +468,8 @@ class RewardConfig(RoleConfig):
     """Samples the role takes from the bus and scores together (the most a batched function gets in one call)."""
     max_failed_groups: NonNegativeInt = 20
     """Consecutive groups whose reward failed (raised, timed out, or was not a finite number) after which the run stops with exit 1 and the function's traceback: a reward that always fails would otherwise drop every sample forever. 0 never stops."""
+    in_rollout: bool = False
+    """Score each sample in the rollout process that generated it, before it goes on the bus, with the same functions and the same rules (a failed reward drops its group; ``max_failed_groups`` stops the run): no reward role runs, and generation hands the trainer scored rows without a bus round trip through a reward process. For rewards that are cheap next to generation (the rule-based kinds); a slow or model-backed reward is better in its own role (the default), where it overlaps with generation and loads once."""
 
     def _collect_problems(self, problems: Problems) -> None:
         super()._collect_problems(problems)

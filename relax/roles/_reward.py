@@ -198,12 +198,57 @@ class CircuitBreaker:
         return exc
 
 
-class RewardRole(Actor):
-    def __init__(self, *, config: dict[str, Any], samples_url: str, model_dir: str) -> None:
-        self.cfg = cluster_config(config)
-        self.samples_url, self.model_dir = samples_url, model_dir
+class Scorer:
+    """Scores sample rows the one way they are scored, wherever that runs: in the reward role,
+    or in the rollout that generated them (``[reward] in_rollout``). Holds the reward set, the
+    circuit breaker and the throttled warnings about failed samples."""
+
+    def __init__(self, cfg: Any, tokenizer: Any, log: Any) -> None:
+        self.rewards = RewardSet.from_config(
+            cfg.reward, answer_key="answer", max_response_tokens=cfg.rollout.max_new_tokens
+        )
+        self.tokenizer, self.answer_key = tokenizer, cfg.data.answer_key
+        self.breaker = CircuitBreaker(cfg.reward.max_failed_groups)
+        self.throttle = WarningThrottle(log)
         self.failed = 0
-        self.breaker = CircuitBreaker(self.cfg.reward.max_failed_groups)
+
+    async def load(self) -> None:
+        """Model-backed functions load their weights once per process, off the loop (so
+        heartbeats go on) and before the first batch (so loading never counts against a
+        call's timeout)."""
+        if self.rewards.loads:
+            await asyncio.to_thread(self.rewards.load)
+
+    async def score(
+        self, rows: Sequence[Mapping[str, Any]]
+    ) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+        """The reward columns of each row scored, as ``(uid, columns)``, and the uids whose
+        reward failed (counted, warned about: their groups are to be dropped). The rows are
+        scored concurrently (slow verifiers overlap, a batched one gets them whole)."""
+        results = await score_rows(self.rewards, self.tokenizer, rows, self.answer_key)
+        self.breaker.record(rows, results)
+        scored, failed = [], []
+        for row, result in zip(rows, results, strict=True):
+            if result.ok:
+                scored.append((row["uid"], reward_columns(result)))
+                continue
+            self.failed += 1
+            self.throttle.warning(
+                str(result.reason),
+                "reward failed; the sample's group is dropped",
+                uid=row["uid"],
+                group=row["group"],
+                reason=result.reason,
+                failures=result.failures,
+            )
+            failed.append(row["uid"])
+        return scored, failed
+
+    def check(self) -> None:
+        """Raise ``RewardFailing`` once ``[reward] max_failed_groups`` groups in a row failed
+        (call it after the batch's drops and rewards are on the bus)."""
+        if self.breaker.tripped:
+            raise self.breaker.error()
 
     def statistics(self) -> dict[str, Any]:
         return {
@@ -212,22 +257,20 @@ class RewardRole(Actor):
             **self.rewards.statistics(),
         }
 
+
+class RewardRole(Actor):
+    def __init__(self, *, config: dict[str, Any], samples_url: str, model_dir: str) -> None:
+        self.cfg = cluster_config(config)
+        self.samples_url, self.model_dir = samples_url, model_dir
+
+    def statistics(self) -> dict[str, Any]:
+        return self.scorer.statistics()
+
     async def on_start(self) -> None:
-        self.tokenizer = load_tokenizer(self.model_dir)
-        self.rewards = RewardSet.from_config(
-            self.cfg.reward,
-            answer_key="answer",
-            max_response_tokens=self.cfg.rollout.max_new_tokens,
-        )
-        # Model-backed functions load their weights once per replica, here, off the loop (so
-        # heartbeats go on) and before the first batch (so loading never counts against a
-        # call's timeout).
-        if self.rewards.loads:
-            await asyncio.to_thread(self.rewards.load)
+        self.scorer = Scorer(self.cfg, load_tokenizer(self.model_dir), self.log)
+        await self.scorer.load()
 
     async def run(self) -> None:
-        throttle = WarningThrottle(self.log)
-        answer_key = self.cfg.data.answer_key
         async with await connect_bus(self.samples_url, self.cfg, client_name(self.context)) as bus:
             while True:
                 async with bus.take(
@@ -238,25 +281,9 @@ class RewardRole(Actor):
                     wait=1.0,
                 ) as batch:
                     await without_poisoned(bus, batch, self.log)  # e.g. a string response_ids
-                    # The batch is scored concurrently (slow verifiers overlap, a batched one
-                    # gets it whole) and written back in one request.
-                    results = await score_rows(self.rewards, self.tokenizer, batch.rows, answer_key)
-                    self.breaker.record(batch.rows, results)
-                    scored = []
-                    for row, result in zip(batch.rows, results, strict=True):
-                        if result.ok:
-                            scored.append((row["uid"], reward_columns(result)))
-                            continue
-                        self.failed += 1
-                        throttle.warning(
-                            str(result.reason),
-                            "reward failed; the sample's group is dropped",
-                            uid=row["uid"],
-                            group=row["group"],
-                            reason=result.reason,
-                            failures=result.failures,
-                        )
-                        batch.drop([row["uid"]], "reward_failed")
+                    # Scored together, written back in one request.
+                    scored, failed = await self.scorer.score(batch.rows)
+                    batch.drop(failed, "reward_failed")
                     refused = await bus.add_columns_many(scored)
                     for (uid, _), error in zip(scored, refused, strict=True):
                         if error is not None:  # e.g. its group was dropped meanwhile
@@ -265,5 +292,4 @@ class RewardRole(Actor):
                                 uid=uid,
                                 error=f"{type(error).__name__}: {error}",
                             )
-                if self.breaker.tripped:  # after the batch's drops and rewards are on the bus
-                    raise self.breaker.error()
+                self.scorer.check()  # after the batch's drops and rewards are on the bus

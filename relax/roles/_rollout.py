@@ -66,6 +66,7 @@ from relax.roles._common import (
 )
 from relax.roles._episodes import env_rows, program_rows
 from relax.roles._lengths import LengthBook
+from relax.roles._reward import Scorer
 from relax.runfiles import pause_requested
 from relax.schema import (
     LOGPROBS,
@@ -178,6 +179,7 @@ class RolloutRole(Actor):
         self._idle.set()
         self._start_version: int | None = None  # what it held before serving anything
         self.lengths = LengthBook()  # [rollout] schedule = "shortest_first"
+        self.scorer: Scorer | None = None  # [reward] in_rollout: samples scored here
         self._on_policy = self.cfg.staleness == 0  # as the samples bus last said: take turns
 
     async def on_start(self) -> None:
@@ -195,6 +197,10 @@ class RolloutRole(Actor):
             lora=self.cfg.model.lora,
         )
         rollout = self.cfg.rollout
+        if self.cfg.reward.in_rollout and rollout.agent.kind == "single":
+            # The reward role's own tokenizer and functions: the same rewards, bit for bit.
+            self.scorer = Scorer(self.cfg, load_tokenizer(self.model_dir), self.log)
+            await self.scorer.load()
         if self.run_dir is not None and self.cfg.trainer.record:  # for relax replay --regenerate
             self.generations = GenerationLog(self.run_dir / RECORD_DIR, self.context.id)
         if rollout.agent.kind != "single" or rollout.serves():
@@ -254,6 +260,8 @@ class RolloutRole(Actor):
             stats["start_version"] = self._start_version
         if self.cfg.rollout.schedule == "shortest_first":
             stats["lengths"] = self.lengths.statistics()
+        if self.scorer is not None:
+            stats["reward"] = self.scorer.statistics()
         return stats
 
     async def _sync_weights(self, bus: BusClient, wait: float) -> bool:
@@ -465,8 +473,24 @@ class RolloutRole(Actor):
         else:
             rows = await self._single_rows(admitted, n, stops)
         if rows:
-            await samples.put(well_formed(rows, self.log), wait=3600)
+            await self._put_samples(samples, rows)
         await prompts.ack(replace(batch, rows=admitted))
+
+    async def _put_samples(self, samples: BusClient, rows: list[dict[str, Any]]) -> None:
+        """Put generated rows on the samples bus. With ``[reward] in_rollout`` they are scored
+        here first and go scored: no reward role, no bus round trips between generation and
+        the trainer. A group whose reward failed is dropped by the bus in the same request."""
+        rows = well_formed(rows, self.log)
+        failed_groups: set[str] = set()
+        if self.scorer is not None and rows:
+            scored, failed = await self.scorer.score(rows)
+            columns = dict(scored)
+            for row in rows:
+                row["columns"].update(columns.get(row["uid"], {}))
+            failed_groups = {row["group"] for row in rows if row["uid"] in set(failed)}
+        await samples.put(rows, wait=3600, failed_groups=failed_groups)
+        if self.scorer is not None:
+            self.scorer.check()  # after the failed groups' drops are on the bus
 
     async def _single_rows(
         self, admitted: list[dict[str, Any]], n: int, stops: list[int]
@@ -493,7 +517,7 @@ class RolloutRole(Actor):
 
         async def put_groups() -> None:
             while (rows := await ready.get()) is not None:
-                await samples.put(well_formed(rows, self.log), wait=3600)
+                await self._put_samples(samples, rows)
 
         putting = asyncio.create_task(put_groups())
         try:

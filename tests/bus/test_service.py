@@ -377,6 +377,31 @@ async def test_a_restarted_bus_recovers_rows_leases_versions_and_weights(tmp_pat
         await sup.__aexit__(None, None, None)
 
 
+async def test_a_put_drops_the_groups_its_producer_failed_to_score_and_a_restart_keeps_it(
+    tmp_path,
+) -> None:
+    """A rollout scoring its own samples (``[reward] in_rollout``) puts them scored, naming
+    the groups whose reward failed: the bus drops those in the same request and logs it, so
+    a restarted bus neither serves them nor forgets the drop."""
+    sup, url = await start_bus(tmp_path, tasks=["train"], staleness="inf")
+    try:
+        async with await BusClient.connect(url) as bus:
+            put = rows("good", 2, reward=1.0) + rows("bad", 2)
+            assert await bus.put(put, failed_groups=["bad"]) == 4
+            for stats in (await bus.statistics(), None):
+                if stats is None:
+                    await sup.restart_child("bus")  # stop + start: replays the log
+                    stats = await bus.statistics()
+                assert stats["rows"] == 2 and stats["counters"]["dropped_reward_failed"] == 2
+            await bus.put(rows("bad", 2)[1:])  # the failed group put again (a retry): not served
+            async with bus.take("train", batch_size=8, columns=["reward"]) as batch:
+                assert sorted(r["uid"] for r in batch.rows) == ["good/0", "good/1"]
+            with pytest.raises(BusError, match="groups of the rows put"):
+                await bus.put(rows("other"), failed_groups=["good"])
+    finally:
+        await sup.__aexit__(None, None, None)
+
+
 async def test_wrong_secret_can_neither_put_nor_take(tmp_path) -> None:
     secret = "s" * 32
     sup, url = await start_bus(tmp_path, url="tcp://127.0.0.1:0", secret=secret)

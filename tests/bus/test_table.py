@@ -284,6 +284,32 @@ def test_dropping_a_row_drops_its_group_and_its_latecomers() -> None:
     assert not t.rows and t.counters["dropped_with_group"] == 1
 
 
+def test_a_producer_that_scored_its_rows_drops_a_failed_group_in_its_put() -> None:
+    """``[reward] in_rollout``: the rollout puts its scored rows and names the groups whose
+    reward failed. Those are dropped in the same put, as the reward role drops them: counted
+    as ``reward_failed``, their admissions settled, their latecomers dropped; and a restarted
+    bus rebuilds the same table from the logged ops."""
+    t = table(tasks=("train",), staleness=0, batch_size=4, capacity=8)
+    log = []
+    for group in ("ok", "bad"):
+        admitted, verdict = t.admit(group, 2, version=0, now=0, timeout=60)
+        assert verdict == "ok"
+        log += admitted
+    assert t.admitted_rows() == 4
+    ops = t.put(rows("ok", 2, reward=1.0) + rows("bad", 3)[:2], failed_groups=["bad"])
+    assert [op["op"] for op in ops] == ["put", "drop"]
+    assert sorted(t.rows) == ["ok-0", "ok-1"]
+    assert t.counters["dropped_reward_failed"] == 2
+    assert t.admitted_rows() == 0  # both settled: "ok" by its rows, "bad" by its drop
+    same = replayed(t, log + ops)
+    assert sorted(same.rows) == ["ok-0", "ok-1"] and same.counters == t.counters
+    t.put(rows("bad", 3)[2:])  # the failed group's last row, late
+    assert "bad-2" not in t.rows and t.counters["dropped_with_group"] == 1
+    with pytest.raises(BusError, match="groups of the rows put"):
+        t.put(rows("other", 1), failed_groups=["ok"])
+    assert "other-0" not in t.rows  # refused whole
+
+
 @pytest.mark.parametrize("staleness", [0, 1, 3])
 def test_admission_paces_producers(staleness) -> None:
     t = table(tasks=("train",), staleness=staleness, batch_size=4, capacity=100)

@@ -95,6 +95,12 @@ def bus_ops(run_dir: Path, bus: str = "samples") -> list[dict[str, Any]]:
         return [loads(record) for _, record in log.replay()]
 
 
+def _record_reward(ledger: BusLedger, uid: str, columns: dict) -> None:
+    ledger.rewards[uid] = float(columns["reward"])
+    if columns.get("reward_components"):
+        ledger.components[uid] = columns["reward_components"]
+
+
 def replay_samples_bus(run_dir: Path, bus: str = "samples") -> BusLedger:
     """Replay ``run_dir/samples/bus-log`` (the bus must be stopped) into a ``BusLedger``
     (``bus="prompts"``: the prompts bus, whose one task is ``"rollout"``)."""
@@ -116,12 +122,12 @@ def replay_samples_bus(run_dir: Path, bus: str = "samples") -> BusLedger:
                 if uid not in ledger.rows:
                     cols = {k: _plain(v) for k, v in (row.get("columns") or {}).items()}
                     ledger.rows[uid] = {**row, "columns": cols}
+                    if "reward" in cols:  # scored by its rollout ([reward] in_rollout)
+                        _record_reward(ledger, uid, cols)
                 if row["group"] in table.dropped_groups:
                     ledger.dropped_on_arrival.add(uid)
         elif kind == "columns" and "reward" in op["columns"]:
-            ledger.rewards[op["uid"]] = float(_plain(op["columns"]["reward"]))
-            if op["columns"].get("reward_components"):
-                ledger.components[op["uid"]] = _plain(op["columns"]["reward_components"])
+            _record_reward(ledger, op["uid"], {k: _plain(v) for k, v in op["columns"].items()})
         elif kind == "ack":
             acked = ledger.acks.setdefault(op["task"], Counter())
             for uid, _attempt in op["items"]:

@@ -26,14 +26,15 @@ target = "tests.e2e.contract_rewards:always_raises"
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("placement", ["inproc", "process"])
+@pytest.mark.parametrize("placement", ["inproc", "process", "in-rollout"])
 def test_a_reward_that_always_raises_stops_the_run_with_its_traceback_once(
     tmp_path, placement: str
 ) -> None:
     toml = tmp_path / "cluster.toml"
     # The default max_failed_groups (20) is what a user gets: no override here. In its own
-    # process the reward role's unrecoverable end crosses the process boundary as such.
-    reward = f'placement = "{placement}"'
+    # process the reward role's unrecoverable end crosses the process boundary as such; with
+    # [reward] in_rollout the rollout scores and its breaker stops the run the same way.
+    reward = "in_rollout = true" if placement == "in-rollout" else f'placement = "{placement}"'
     toml.write_text(tiny_toml("breaker", steps=50, reward=reward, extra=ALWAYS_RAISES))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run_dir = tmp_path / "run"

@@ -37,7 +37,12 @@ def lines(path: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(180)
-async def test_a_python_reward_gets_the_whole_sample(tmp_path, monkeypatch, request) -> None:
+@pytest.mark.parametrize(
+    "where", ['reward.placement="process"', "reward.in_rollout=true"], ids=["role", "in-rollout"]
+)
+async def test_a_python_reward_gets_the_whole_sample(
+    tmp_path, monkeypatch, request, where: str
+) -> None:
     calls, batches = tmp_path / "calls.jsonl", tmp_path / "batches.jsonl"
     own = load_config(RECIPE).reward.functions
     assert [f.target for f in own] == ["reward:score"]
@@ -51,7 +56,7 @@ async def test_a_python_reward_gets_the_whole_sample(tmp_path, monkeypatch, requ
         f' batched=true, weight=0.0, options={{log="{batches}"}}}}]'
     )
     overrides = [
-        'reward.placement="process"',
+        where,  # the reward role in its own process, or each rollout scoring its own samples
         f"trainer.steps={STEPS}",
         "staleness=0",  # the same run every time: its seeds fix every sample
         "reward.batch_size=8",

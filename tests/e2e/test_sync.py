@@ -47,6 +47,10 @@ TWO_CORES = (
 )
 
 
+# Each rollout scores its own samples: no reward role, the same rewards.
+SCORED_IN_ROLLOUT = "reward.in_rollout=true"
+
+
 # Replica rollout-1 paused once for 0.5 s between leasing prompts and asking for their
 # admission (ten times a generation round): the other replica must not get later prompts
 # admitted for the step meanwhile (it did, before replicas took turns at staleness 0).
@@ -60,8 +64,15 @@ HELD_UP = "after_lease@rollout-1=0.5"
         (2, (), None),  # two
         (2, TWO_CORES, None),
         (2, TWO_CORES, HELD_UP),
+        (2, (*TWO_CORES, SCORED_IN_ROLLOUT), None),
     ],
-    ids=["one-call", "two-calls", "two-rollout-processes", "one-replica-held-up"],
+    ids=[
+        "one-call",
+        "two-calls",
+        "two-rollout-processes",
+        "one-replica-held-up",
+        "scored-in-rollout",
+    ],
 )
 async def test_staleness_0_equals_a_synchronous_run(
     tmp_path: Path,
@@ -137,7 +148,11 @@ FLAKY = (
 )
 
 
-@pytest.mark.parametrize("layout", [(), TWO_CORES], ids=["one-rollout", "two-rollout-processes"])
+@pytest.mark.parametrize(
+    "layout",
+    [(), TWO_CORES, (SCORED_IN_ROLLOUT,)],
+    ids=["one-rollout", "two-rollout-processes", "scored-in-rollout"],
+)
 async def test_staleness_0_with_groups_dropped_equals_a_synchronous_run(
     tmp_path: Path, layout: tuple[str, ...]
 ) -> None:
@@ -152,6 +167,10 @@ async def test_staleness_0_with_groups_dropped_equals_a_synchronous_run(
         *layout,
     ]
     cfg = load_config(RECIPE, overrides=overrides)
+    if SCORED_IN_ROLLOUT in layout:  # the rollout drops the failed groups in its puts
+        assert cluster.sample_tasks(cfg) == ["train"]
+        tree = cluster.build_tree(cfg, cluster.prepare(cfg, tmp_path / "tree"))
+        assert not [c for c in tree.child_ids() if c.startswith("reward")]
     await cluster.run(cfg, tmp_path / "cluster")
     generated = tmp_path / "cluster" / "record" / "generations"
     calls = sum(len(f.read_text().splitlines()) for f in generated.glob("rollout-*.jsonl"))
