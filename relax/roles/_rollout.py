@@ -487,7 +487,8 @@ class RolloutRole(Actor):
             columns = dict(scored)
             for row in rows:
                 row["columns"].update(columns.get(row["uid"], {}))
-            failed_groups = {row["group"] for row in rows if row["uid"] in set(failed)}
+            failed_uids = set(failed)
+            failed_groups = {row["group"] for row in rows if row["uid"] in failed_uids}
         await samples.put(rows, wait=3600, failed_groups=failed_groups)
         if self.scorer is not None:
             self.scorer.check()  # after the failed groups' drops are on the bus
