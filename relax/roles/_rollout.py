@@ -490,6 +490,7 @@ class RolloutRole(Actor):
             failed_uids = set(failed)
             failed_groups = {row["group"] for row in rows if row["uid"] in failed_uids}
         await samples.put(rows, wait=3600, failed_groups=failed_groups)
+        await stall_point(self.run_dir, "after_put", self.context.id)  # a test hook
         if self.scorer is not None:
             self.scorer.check()  # after the failed groups' drops are on the bus
 

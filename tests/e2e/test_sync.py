@@ -19,7 +19,14 @@ from relax.roles._common import STALL_AT_ENV, connect_bus
 from relax.roles._dataset import DatasetRole
 from relax.sync import run_sync
 from tests.actors.helpers import restarted, running_pid
-from tests.e2e.audit import bus_ops, captured_logs, hang_explained, read_logs
+from tests.e2e.audit import (
+    bus_ops,
+    captured_logs,
+    check_exactly_once,
+    hang_explained,
+    read_logs,
+    replay_samples_bus,
+)
 from tests.polling import wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -264,6 +271,42 @@ async def test_staleness_0_with_roles_sigkilled_holding_leases_equals_a_synchron
     ]
     assert logs.events("weight transfer failed; receivers read this version from the bus") == []
     assert max(s["take_time_s"] for s in steps(run_dir)) < 60
+    monkeypatch.delenv(STALL_AT_ENV)
+    await run_sync(cfg, tmp_path / "sync")
+    assert_same_run(run_dir, tmp_path / "sync")
+
+
+@pytest.mark.timeout(300)
+async def test_staleness_0_scored_in_rollout_with_a_rollout_sigkilled_after_its_put_equals_a_synchronous_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each rollout scores its own samples, and a reward fails for some prompts. Rollout-1 is
+    # held right after its second put (scored rows on the bus, failed groups dropped in the
+    # same request) and SIGKILLed before it acks its prompts: its successor takes them back,
+    # generates and scores them again, and the bus ignores that second put. Still the
+    # synchronous run, bit for bit, with nothing trained twice.
+    hold = "after_put@rollout-1#2"
+    monkeypatch.setenv(STALL_AT_ENV, f"{hold}=600")
+    overrides = [
+        "staleness=0",
+        f"trainer.steps={STEPS}",
+        f"checkpoint.every_steps={STEPS}",
+        "rollout.batch_size=2",
+        f"reward.functions={FLAKY}",
+        "bus.lease_timeout=600",
+        *TWO_CORES,
+        SCORED_IN_ROLLOUT,
+    ]
+    cfg = load_config(RECIPE, overrides=overrides)
+    layout = cluster.prepare(cfg, tmp_path / "cluster")
+    run_dir = layout.run_dir
+    with captured_logs(tmp_path / "run.log") as log_file, hang_explained(log_file):
+        await _kill_at_holds(cfg, layout, (hold,))
+    ops = bus_ops(run_dir, "samples")
+    assert sum(op["n"] for op in ops if op.get("name") == "duplicate_puts") > 0
+    assert [op for op in ops if op["op"] == "drop" and op["reason"] == "reward_failed"]
+    ledger = replay_samples_bus(run_dir)
+    check_exactly_once(ledger)
     monkeypatch.delenv(STALL_AT_ENV)
     await run_sync(cfg, tmp_path / "sync")
     assert_same_run(run_dir, tmp_path / "sync")
