@@ -284,9 +284,11 @@ async def test_staleness_0_scored_in_rollout_with_a_rollout_sigkilled_after_its_
     # held right after its second put (scored rows on the bus, failed groups dropped in the
     # same request) and SIGKILLed before it acks its prompts: its successor takes them back,
     # generates and scores them again, and the bus ignores that second put. Still the
-    # synchronous run, bit for bit, with nothing trained twice.
+    # synchronous run, bit for bit, with nothing trained twice. Rollout-0 is held (not
+    # killed) after its third put, so the run cannot end before the successor is back and
+    # working (without it, rollout-0 finished the run alone while the successor started).
     hold = "after_put@rollout-1#2"
-    monkeypatch.setenv(STALL_AT_ENV, f"{hold}=600")
+    monkeypatch.setenv(STALL_AT_ENV, f"{hold}=600,after_put@rollout-0#3=600")
     overrides = [
         "staleness=0",
         f"trainer.steps={STEPS}",
@@ -302,6 +304,7 @@ async def test_staleness_0_scored_in_rollout_with_a_rollout_sigkilled_after_its_
     run_dir = layout.run_dir
     with captured_logs(tmp_path / "run.log") as log_file, hang_explained(log_file):
         await _kill_at_holds(cfg, layout, (hold,))
+    assert (run_dir / "stalled-at-after_put@rollout-0").exists()  # the successor finished
     ops = bus_ops(run_dir, "samples")
     assert sum(op["n"] for op in ops if op.get("name") == "duplicate_puts") > 0
     assert [op for op in ops if op["op"] == "drop" and op["reason"] == "reward_failed"]
