@@ -362,15 +362,29 @@ class LogLines:
 def read_logs(path: Path) -> LogLines:
     structured, text = [], []
     for line in path.read_text(errors="replace").splitlines():
-        try:
-            value = json.loads(line)
-        except ValueError:
-            value = None
-        if isinstance(value, dict):
+        value, rest = _json_line(line)
+        if value is not None:
             structured.append(value)
-        elif line.strip():
-            text.append(line)
+        if rest.strip():
+            text.append(rest)
     return LogLines(structured, text)
+
+
+def _json_line(line: str) -> tuple[dict[str, Any] | None, str]:
+    """The JSON object a log line holds, and the text before it. Every process appends to
+    one file, and a child's progress bar (tqdm: no newline until it closes) can leave a
+    partial line that another process's JSON line then continues: the object is recovered
+    from where it starts, not lost."""
+    start = line.find('{"')
+    if start < 0:
+        return None, line
+    try:
+        value, end = json.JSONDecoder().raw_decode(line, start)
+    except ValueError:
+        return None, line
+    if not isinstance(value, dict) or line[end:].strip():
+        return None, line
+    return value, line[:start]
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.audit import BusLedger, check_trainer_ledger
+from tests.e2e.audit import BusLedger, check_trainer_ledger, read_logs
 
 
 def ledger_file(run_dir: Path, *entries: tuple[int, bool, list[str]]) -> None:
@@ -55,3 +55,23 @@ def test_gaps_in_the_versions_or_the_lineage_are_caught(tmp_path) -> None:
         check_trainer_ledger(tmp_path, bus(["a", "b"], [0, 1, 3]))
     with pytest.raises(AssertionError, match="do not descend"):
         check_trainer_ledger(tmp_path, bus(["a", "b"], [0, 1, 2, 3]))
+
+
+def test_a_json_line_after_a_progress_bar_fragment_is_still_read(tmp_path: Path) -> None:
+    started = {"event": "child started", "child": "rollout-0", "pids": [7]}
+    log = tmp_path / "run.log"
+    log.write_text(
+        json.dumps({"event": "step", "step": 1})
+        + "\n"
+        # A child's tqdm bar wrote "\\rLoading weights: 100%|...|" with no newline yet, and
+        # the supervisor's line landed right after it.
+        + "\rLoading weights: 100%|##########| 27/27"
+        + json.dumps(started)
+        + "\n"
+        + "a plain warning\n"
+        + '{"not json\n'
+    )
+    logs = read_logs(log)
+    assert logs.events("child started", child="rollout-0") == [started]
+    assert [e["event"] for e in logs.json] == ["step", "child started"]
+    assert logs.text == ["Loading weights: 100%|##########| 27/27", "a plain warning", '{"not json']
