@@ -153,6 +153,14 @@ def assert_same_run(cluster_run: Path, sync_run: Path) -> None:
 FLAKY = (
     '[{name="digit", kind="python", target="tests.e2e.contract_rewards:fails_for_some_prompts"}]'
 )
+# Staleness 0, two prompts per generation call, and that reward.
+FLAKY_AT_0 = (
+    "staleness=0",
+    f"trainer.steps={STEPS}",
+    f"checkpoint.every_steps={STEPS}",
+    "rollout.batch_size=2",
+    f"reward.functions={FLAKY}",
+)
 
 
 @pytest.mark.parametrize(
@@ -165,14 +173,7 @@ async def test_staleness_0_with_groups_dropped_equals_a_synchronous_run(
 ) -> None:
     # A reward that fails for some prompts: the cluster drops their groups and, like the
     # synchronous loop, fills the step with the next prompts, generated on the same weights.
-    overrides = [
-        "staleness=0",
-        f"trainer.steps={STEPS}",
-        f"checkpoint.every_steps={STEPS}",
-        "rollout.batch_size=2",
-        f"reward.functions={FLAKY}",
-        *layout,
-    ]
+    overrides = [*FLAKY_AT_0, *layout]
     cfg = load_config(RECIPE, overrides=overrides)
     if SCORED_IN_ROLLOUT in layout:  # the rollout drops the failed groups in its puts
         assert cluster.sample_tasks(cfg) == ["train"]
@@ -289,16 +290,7 @@ async def test_staleness_0_scored_in_rollout_with_a_rollout_sigkilled_after_its_
     # working (without it, rollout-0 finished the run alone while the successor started).
     hold = "after_put@rollout-1#2"
     monkeypatch.setenv(STALL_AT_ENV, f"{hold}=600,after_put@rollout-0#3=600")
-    overrides = [
-        "staleness=0",
-        f"trainer.steps={STEPS}",
-        f"checkpoint.every_steps={STEPS}",
-        "rollout.batch_size=2",
-        f"reward.functions={FLAKY}",
-        "bus.lease_timeout=600",
-        *TWO_CORES,
-        SCORED_IN_ROLLOUT,
-    ]
+    overrides = [*FLAKY_AT_0, "bus.lease_timeout=600", *TWO_CORES, SCORED_IN_ROLLOUT]
     cfg = load_config(RECIPE, overrides=overrides)
     layout = cluster.prepare(cfg, tmp_path / "cluster")
     run_dir = layout.run_dir
